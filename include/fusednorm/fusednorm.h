@@ -1,0 +1,158 @@
+// fusednorm: fused normalization operators (RMSNorm, LayerNorm) for LLM workloads.
+//
+// Every operator normalizes over the last dimension D of a rows x D view. The public API
+// is backend-neutral: the same call runs on the CPU or, when built with CUDA, on the GPU;
+// the Context says which. Arguments are validated on every call; a bad argument throws
+// fusednorm::Error whose message names the operator and the argument.
+//
+// Numerics (all backends): elements are converted to fp32 on load, every sum and every
+// product is fp32, eps is added in fp32, and each output element is rounded once (round to
+// nearest even) when stored in its dtype.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace fusednorm {
+
+// Thrown for any invalid argument or backend failure. what() reads like
+// "fusednorm::rms_norm: argument 'weight': size 4095 does not match D = 4096".
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Bytes of one element; throws fusednorm::Error for a value outside the enum.
+std::size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);
+
+// A rows x cols view of elements, row r starting at data + r * row_stride elements.
+// row_stride >= cols; elements inside a row are contiguous.
+struct ConstMatrix {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t row_stride = 0;
+};
+
+struct Matrix {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t row_stride = 0;
+
+  operator ConstMatrix() const { return {data, dtype, rows, cols, row_stride}; }
+};
+
+// A contiguous vector (weight, bias and their gradients). data == nullptr means "absent".
+struct ConstVector {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  std::int64_t size = 0;
+};
+
+struct Vector {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  std::int64_t size = 0;
+
+  operator ConstVector() const { return {data, dtype, size}; }
+};
+
+// Convenience constructors for contiguous data.
+inline ConstMatrix const_matrix(const void* data, DType dtype, std::int64_t rows,
+                                std::int64_t cols, std::int64_t row_stride = -1) {
+  return {data, dtype, rows, cols, row_stride < 0 ? cols : row_stride};
+}
+inline Matrix matrix(void* data, DType dtype, std::int64_t rows, std::int64_t cols,
+                     std::int64_t row_stride = -1) {
+  return {data, dtype, rows, cols, row_stride < 0 ? cols : row_stride};
+}
+
+enum class Device : std::uint8_t { kCpu = 0, kCuda = 1 };
+
+// Caller-owned scratch memory, on the same device as the data. Only the backward operators
+// use it (for the deterministic cross-row reduction of dw / db). On the CPU an empty
+// workspace makes the call allocate its own; on CUDA a call never allocates, so the caller
+// must pass at least backward_workspace_bytes().
+struct Workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+struct Context {
+  Device device = Device::kCpu;
+  // CPU: number of threads; 0 means all hardware threads. Results are bit-identical for
+  // any thread count.
+  int num_threads = 0;
+  // CUDA: the cudaStream_t to launch on (nullptr = the legacy default stream).
+  void* cuda_stream = nullptr;
+};
+
+struct RmsNormOptions {
+  float eps = 1e-6f;
+  // The weight is applied as (weight + weight_offset); 1.0 gives Gemma's (1 + w).
+  float weight_offset = 0.0f;
+};
+
+struct LayerNormOptions {
+  float eps = 1e-5f;
+};
+
+// Does this build contain the backend?
+bool has_backend(Device device);
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm
+//
+// y[r, j] = x[r, j] * rstd[r] * (weight[j] + weight_offset),
+// rstd[r] = 1 / sqrt(mean_j(x[r, j]^2) + eps).
+// weight may be absent (data == nullptr): then y = x * rstd and weight_offset is ignored.
+// weight dtype: x's dtype or fp32. y has x's dtype and shape; y may be x itself (same
+// pointer and stride) but must not otherwise overlap it. rstd (nullable) receives one fp32
+// per row, for the backward.
+void rms_norm(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y, float* rstd,
+              const RmsNormOptions& options = {});
+
+// residual <- x + residual (rounded to the residual's dtype), y = rms_norm(residual).
+// One pass over memory. x, residual and y share dtype and shape; y may be x itself.
+void fused_add_rms_norm(const Context& ctx, ConstMatrix x, Matrix residual,
+                        ConstVector weight, Matrix y, float* rstd,
+                        const RmsNormOptions& options = {});
+
+// Gradients of rms_norm. rstd may be nullptr (then it is recomputed from x with the
+// options' eps). dx (nullable data) may be dy itself. dw (nullable data; required to be
+// absent when weight is absent) is the sum over ALL rows of dy * x * rstd, reduced across
+// rows in a fixed order: bit-identical for any thread count.
+void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                       const float* rstd, Matrix dx, Vector dw,
+                       const RmsNormOptions& options = {}, Workspace workspace = {});
+
+// ---------------------------------------------------------------------------------------
+// LayerNorm
+//
+// y = (x - mean) * rstd * weight + bias, rstd = 1 / sqrt(var + eps), var the biased
+// (population) variance. weight and bias are each optional. mean and rstd (nullable)
+// receive one fp32 per row.
+void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias,
+                Matrix y, float* mean, float* rstd, const LayerNormOptions& options = {});
+
+// Gradients of layer_norm. mean and rstd must both be given or both be nullptr
+// (recomputed). dw and db are cross-row reductions with the same determinism as
+// rms_norm_backward.
+void layer_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                         ConstVector weight, const float* mean, const float* rstd, Matrix dx,
+                         Vector dw, Vector db, const LayerNormOptions& options = {},
+                         Workspace workspace = {});
+
+// Scratch bytes the backward operators need for a rows x cols problem on ctx's device.
+std::size_t backward_workspace_bytes(const Context& ctx, std::int64_t rows,
+                                     std::int64_t cols);
+
+}  // namespace fusednorm

@@ -1,0 +1,39 @@
+// The fp64 scalar reference of every fusednorm operator: the definition the backends are
+// tested against and the benchmark checks its results with. Inputs are read through the
+// same views as the real operators (strides honoured); results are unrounded doubles in
+// contiguous rows x cols order, except `residual`, which is what the fused add stores
+// (rounded to the dtype) because the normalization is defined on the stored value.
+#pragma once
+
+#include <vector>
+
+#include "fusednorm/fusednorm.h"
+
+namespace fusednorm::reference {
+
+struct ForwardResult {
+  std::vector<double> y;
+  std::vector<double> residual;  // fused add only
+  std::vector<double> mean;      // LayerNorm only
+  std::vector<double> rstd;
+};
+
+struct BackwardResult {
+  std::vector<double> dx;
+  std::vector<double> dw;  // empty without weight
+  std::vector<double> db;  // LayerNorm with bias gradient only
+};
+
+ForwardResult rms_norm(ConstMatrix x, ConstVector weight, const RmsNormOptions& options = {});
+ForwardResult fused_add_rms_norm(ConstMatrix x, ConstMatrix residual, ConstVector weight,
+                                 const RmsNormOptions& options = {});
+ForwardResult layer_norm(ConstMatrix x, ConstVector weight, ConstVector bias,
+                         const LayerNormOptions& options = {});
+
+// rstd / mean are recomputed in fp64 from x.
+BackwardResult rms_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                                 const RmsNormOptions& options = {});
+BackwardResult layer_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                                   bool want_db, const LayerNormOptions& options = {});
+
+}  // namespace fusednorm::reference

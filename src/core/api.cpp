@@ -1,0 +1,177 @@
+// Public entry points: build the problem, validate it once, hand it to the backend.
+#include <string>
+
+#include "core/problem.h"
+#include "cpu/cpu_backend.h"
+#include "fusednorm/fusednorm.h"
+#ifdef FUSEDNORM_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace fusednorm {
+
+using detail::BackwardProblem;
+using detail::ForwardProblem;
+using detail::NormKind;
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat16: return 2;
+    case DType::kBFloat16: return 2;
+  }
+  throw Error("fusednorm: unsupported dtype value " + std::to_string(static_cast<int>(dtype)));
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "invalid";
+}
+
+bool has_backend(Device device) {
+  switch (device) {
+    case Device::kCpu: return true;
+    case Device::kCuda:
+#ifdef FUSEDNORM_WITH_CUDA
+      return true;
+#else
+      return false;
+#endif
+  }
+  return false;
+}
+
+namespace {
+
+void check_context(const char* op, const Context& ctx) {
+  if (ctx.device != Device::kCpu && ctx.device != Device::kCuda) {
+    detail::fail(op, "ctx.device", "unknown device");
+  }
+  if (!has_backend(ctx.device)) {
+    detail::fail(op, "ctx.device", "this build of fusednorm has no CUDA backend");
+  }
+  if (ctx.num_threads < 0) {
+    detail::fail(op, "ctx.num_threads", "must be >= 0 (0 = all hardware threads)");
+  }
+}
+
+void run(const char* op, const Context& ctx, const ForwardProblem& problem) {
+  check_context(op, ctx);
+  detail::validate(op, problem);
+  if (ctx.device == Device::kCpu) {
+    cpu::forward(problem, ctx.num_threads);
+    return;
+  }
+#ifdef FUSEDNORM_WITH_CUDA
+  cuda::forward(op, problem, ctx.cuda_stream);
+#endif
+}
+
+void run(const char* op, const Context& ctx, const BackwardProblem& problem) {
+  check_context(op, ctx);
+  detail::validate(op, problem);
+  if (ctx.device == Device::kCpu) {
+    cpu::backward(problem, ctx.num_threads);
+    return;
+  }
+#ifdef FUSEDNORM_WITH_CUDA
+  cuda::backward(op, problem, ctx.cuda_stream);
+#endif
+}
+
+}  // namespace
+
+void rms_norm(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y, float* rstd,
+              const RmsNormOptions& options) {
+  ForwardProblem p;
+  p.kind = NormKind::kRms;
+  p.x = x;
+  p.weight = weight;
+  p.y = y;
+  p.rstd = rstd;
+  p.eps = options.eps;
+  p.weight_offset = options.weight_offset;
+  run("rms_norm", ctx, p);
+}
+
+void fused_add_rms_norm(const Context& ctx, ConstMatrix x, Matrix residual, ConstVector weight,
+                        Matrix y, float* rstd, const RmsNormOptions& options) {
+  if (residual.data == nullptr && x.rows > 0) {
+    detail::fail("fused_add_rms_norm", "residual", "data is null but rows > 0");
+  }
+  ForwardProblem p;
+  p.kind = NormKind::kRms;
+  p.x = x;
+  p.residual = residual;
+  p.weight = weight;
+  p.y = y;
+  p.rstd = rstd;
+  p.eps = options.eps;
+  p.weight_offset = options.weight_offset;
+  run("fused_add_rms_norm", ctx, p);
+}
+
+void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                       const float* rstd, Matrix dx, Vector dw, const RmsNormOptions& options,
+                       Workspace workspace) {
+  BackwardProblem p;
+  p.kind = NormKind::kRms;
+  p.dy = dy;
+  p.x = x;
+  p.weight = weight;
+  p.rstd = rstd;
+  p.dx = dx;
+  p.dw = dw;
+  p.eps = options.eps;
+  p.weight_offset = options.weight_offset;
+  p.workspace = workspace;
+  run("rms_norm_backward", ctx, p);
+}
+
+void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias,
+                Matrix y, float* mean, float* rstd, const LayerNormOptions& options) {
+  ForwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.x = x;
+  p.weight = weight;
+  p.bias = bias;
+  p.y = y;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.eps = options.eps;
+  run("layer_norm", ctx, p);
+}
+
+void layer_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                         const float* mean, const float* rstd, Matrix dx, Vector dw, Vector db,
+                         const LayerNormOptions& options, Workspace workspace) {
+  BackwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.dy = dy;
+  p.x = x;
+  p.weight = weight;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.dx = dx;
+  p.dw = dw;
+  p.db = db;
+  p.eps = options.eps;
+  p.workspace = workspace;
+  run("layer_norm_backward", ctx, p);
+}
+
+std::size_t backward_workspace_bytes(const Context& ctx, std::int64_t rows, std::int64_t cols) {
+  check_context("backward_workspace_bytes", ctx);
+  if (rows < 0) detail::fail("backward_workspace_bytes", "rows", "must be >= 0");
+  if (cols <= 0) detail::fail("backward_workspace_bytes", "cols", "must be >= 1");
+#ifdef FUSEDNORM_WITH_CUDA
+  if (ctx.device == Device::kCuda) return cuda::backward_workspace_bytes(rows, cols);
+#endif
+  return cpu::backward_workspace_bytes(rows, cols);
+}
+
+}  // namespace fusednorm

@@ -1,0 +1,191 @@
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "core/problem.h"
+
+namespace fusednorm::detail {
+
+void fail(const char* op, const char* argument, const std::string& message) {
+  throw Error(std::string("fusednorm::") + op + ": argument '" + argument + "': " + message);
+}
+
+namespace {
+
+bool valid_dtype(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
+
+// Half-open byte range [begin, end) a matrix touches; empty when it has no rows.
+struct ByteRange {
+  std::uintptr_t begin = 0;
+  std::uintptr_t end = 0;
+  bool overlaps(const ByteRange& other) const {
+    return begin < end && other.begin < other.end && begin < other.end && other.begin < end;
+  }
+};
+
+ByteRange byte_range(const void* data, DType dtype, std::int64_t rows, std::int64_t stride,
+                     std::int64_t cols) {
+  if (rows == 0 || data == nullptr) return {};
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const auto elements = static_cast<std::uintptr_t>((rows - 1) * stride + cols);
+  return {begin, begin + elements * dtype_size(dtype)};
+}
+
+ByteRange byte_range(const ConstMatrix& m) {
+  return byte_range(m.data, m.dtype, m.rows, m.row_stride, m.cols);
+}
+ByteRange byte_range(const ConstVector& v) { return byte_range(v.data, v.dtype, 1, 0, v.size); }
+ByteRange float_range(const float* data, std::int64_t rows) {
+  return byte_range(data, DType::kFloat32, rows, 1, 1);
+}
+
+// Checks shared by every matrix argument: dtype, shape, stride, null data, index overflow.
+void check_matrix(const char* op, const char* name, const ConstMatrix& m) {
+  if (!valid_dtype(m.dtype)) fail(op, name, "unsupported dtype");
+  if (m.rows < 0) fail(op, name, "rows must be >= 0, got " + std::to_string(m.rows));
+  if (m.cols <= 0) fail(op, name, "D (cols) must be >= 1, got " + std::to_string(m.cols));
+  if (m.row_stride < m.cols) {
+    fail(op, name,
+         "row_stride " + std::to_string(m.row_stride) + " is smaller than D = " +
+             std::to_string(m.cols));
+  }
+  if (m.rows > 0 && m.data == nullptr) fail(op, name, "data is null but rows > 0");
+  const auto max_elements = std::numeric_limits<std::int64_t>::max() / 8;
+  if (m.rows > 0 && (m.rows - 1) > (max_elements - m.cols) / m.row_stride) {
+    fail(op, name, "view spans more elements than 64-bit indexing allows");
+  }
+}
+
+void check_same_shape(const char* op, const char* name, const ConstMatrix& m,
+                      const ConstMatrix& x) {
+  check_matrix(op, name, m);
+  if (m.rows != x.rows || m.cols != x.cols) {
+    fail(op, name,
+         "shape " + std::to_string(m.rows) + " x " + std::to_string(m.cols) +
+             " does not match x's " + std::to_string(x.rows) + " x " + std::to_string(x.cols));
+  }
+  if (m.dtype != x.dtype) {
+    fail(op, name,
+         std::string("dtype ") + dtype_name(m.dtype) + " does not match x's " +
+             dtype_name(x.dtype));
+  }
+}
+
+// A weight-like vector: absent, or D elements of x's dtype or fp32.
+void check_vector(const char* op, const char* name, const ConstVector& v, const ConstMatrix& x) {
+  if (v.data == nullptr) {
+    if (v.size != 0) fail(op, name, "data is null but size is " + std::to_string(v.size));
+    return;
+  }
+  if (!valid_dtype(v.dtype)) fail(op, name, "unsupported dtype");
+  if (v.dtype != x.dtype && v.dtype != DType::kFloat32) {
+    fail(op, name,
+         std::string("dtype ") + dtype_name(v.dtype) + " must be x's dtype (" +
+             dtype_name(x.dtype) + ") or float32");
+  }
+  if (v.size != x.cols) {
+    fail(op, name,
+         "size " + std::to_string(v.size) + " does not match D = " + std::to_string(x.cols));
+  }
+}
+
+void check_eps(const char* op, float eps) {
+  if (!std::isfinite(eps) || eps < 0.0f) {
+    fail(op, "eps", "must be finite and >= 0, got " + std::to_string(eps));
+  }
+}
+
+// An output must not overlap an input unless it is exactly the same view (in-place).
+void check_no_overlap(const char* op, const char* out_name, const ByteRange& out,
+                      const char* in_name, const ByteRange& in) {
+  if (out.overlaps(in)) {
+    fail(op, out_name, std::string("overlaps '") + in_name + "'");
+  }
+}
+
+bool same_view(const ConstMatrix& a, const ConstMatrix& b) {
+  return a.data == b.data && a.row_stride == b.row_stride;
+}
+
+}  // namespace
+
+void validate(const char* op, const ForwardProblem& p) {
+  check_matrix(op, "x", p.x);
+  if (p.has_residual()) check_same_shape(op, "residual", p.residual, p.x);
+  check_same_shape(op, "y", p.y, p.x);
+  check_vector(op, "weight", p.weight, p.x);
+  check_vector(op, "bias", p.bias, p.x);
+  check_eps(op, p.eps);
+  if (!std::isfinite(p.weight_offset)) fail(op, "weight_offset", "must be finite");
+
+  const ByteRange y = byte_range(p.y);
+  if (!same_view(p.y, p.x)) check_no_overlap(op, "y", y, "x", byte_range(p.x));
+  if (p.has_residual()) {
+    const ByteRange residual = byte_range(p.residual);
+    check_no_overlap(op, "residual", residual, "x", byte_range(p.x));
+    check_no_overlap(op, "y", y, "residual", residual);
+  }
+  const ByteRange rstd = float_range(p.rstd, p.rows());
+  const ByteRange mean = float_range(p.mean, p.rows());
+  for (const auto& [name, range] : {std::pair{"rstd", rstd}, std::pair{"mean", mean}}) {
+    check_no_overlap(op, name, range, "x", byte_range(p.x));
+    check_no_overlap(op, name, range, "y", y);
+    check_no_overlap(op, name, range, "residual", byte_range(p.residual));
+    check_no_overlap(op, name, range, "weight", byte_range(p.weight));
+    check_no_overlap(op, name, range, "bias", byte_range(p.bias));
+  }
+  check_no_overlap(op, "rstd", rstd, "mean", mean);
+  for (const auto& [name, range] :
+       {std::pair{"weight", byte_range(p.weight)}, std::pair{"bias", byte_range(p.bias)}}) {
+    check_no_overlap(op, "y", y, name, range);
+    check_no_overlap(op, "residual", byte_range(p.residual), name, range);
+  }
+}
+
+void validate(const char* op, const BackwardProblem& p) {
+  check_matrix(op, "x", p.x);
+  check_same_shape(op, "dy", p.dy, p.x);
+  if (p.dx.data != nullptr) check_same_shape(op, "dx", p.dx, p.x);
+  check_vector(op, "weight", p.weight, p.x);
+  check_vector(op, "dw", p.dw, p.x);
+  check_vector(op, "db", p.db, p.x);
+  check_eps(op, p.eps);
+  if (!std::isfinite(p.weight_offset)) fail(op, "weight_offset", "must be finite");
+  if (p.dw.data != nullptr && p.weight.data == nullptr) {
+    fail(op, "dw", "given, but there is no weight to differentiate");
+  }
+  if (p.kind == NormKind::kLayer && ((p.mean == nullptr) != (p.rstd == nullptr))) {
+    fail(op, p.mean == nullptr ? "mean" : "rstd", "mean and rstd must be given together");
+  }
+
+  const ByteRange dx = byte_range(p.dx);
+  const ByteRange dw = byte_range(p.dw);
+  const ByteRange db = byte_range(p.db);
+  const ByteRange workspace{reinterpret_cast<std::uintptr_t>(p.workspace.data),
+                            reinterpret_cast<std::uintptr_t>(p.workspace.data) +
+                                (p.workspace.data ? p.workspace.bytes : 0)};
+  if (!same_view(p.dx, p.dy)) check_no_overlap(op, "dx", dx, "dy", byte_range(p.dy));
+  const std::pair<const char*, ByteRange> inputs[] = {
+      {"x", byte_range(p.x)},
+      {"weight", byte_range(p.weight)},
+      {"mean", float_range(p.mean, p.rows())},
+      {"rstd", float_range(p.rstd, p.rows())},
+  };
+  const std::pair<const char*, ByteRange> outputs[] = {
+      {"dx", dx}, {"dw", dw}, {"db", db}, {"workspace", workspace}};
+  for (const auto& [out_name, out] : outputs) {
+    for (const auto& [in_name, in] : inputs) check_no_overlap(op, out_name, out, in_name, in);
+  }
+  for (const auto& [name, range] : {std::pair{"dw", dw}, std::pair{"db", db},
+                                    std::pair{"workspace", workspace}}) {
+    check_no_overlap(op, name, range, "dy", byte_range(p.dy));
+    check_no_overlap(op, name, range, "dx", dx);
+  }
+  check_no_overlap(op, "db", db, "dw", dw);
+  check_no_overlap(op, "workspace", workspace, "dw", dw);
+  check_no_overlap(op, "workspace", workspace, "db", db);
+}
+
+}  // namespace fusednorm::detail

@@ -1,0 +1,446 @@
+#include "cpu/cpu_backend.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "core/scalar_convert.h"
+#include "cpu/row_kernels.h"
+
+namespace fusednorm::cpu {
+namespace {
+
+using detail::BackwardProblem;
+using detail::ForwardProblem;
+using detail::NormKind;
+
+// Below this many bytes per thread, waking another thread costs more than it saves.
+constexpr std::size_t kMinBytesPerThread = 256 * 1024;
+constexpr std::int64_t kMaxRowBlocks = 64;
+constexpr std::int64_t kMinRowsPerBlock = 4;
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+template <typename Ptr>
+Ptr advance(Ptr base, std::int64_t elements, std::size_t element_size) {
+  using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>, const char, char>;
+  return static_cast<Ptr>(static_cast<Byte*>(base) + elements * static_cast<std::int64_t>(element_size));
+}
+
+// A weight or bias as fp32 with weight_offset folded in; borrows the caller's buffer when no
+// conversion is needed.
+class PreparedVector {
+ public:
+  PreparedVector(ConstVector v, float offset) {
+    if (v.data == nullptr) return;
+    if (v.dtype == DType::kFloat32 && offset == 0.0f) {
+      data_ = static_cast<const float*>(v.data);
+      return;
+    }
+    storage_.resize(static_cast<std::size_t>(v.size));
+    for (std::int64_t j = 0; j < v.size; ++j) {
+      storage_[j] = detail::load_as_float(v.data, v.dtype, j) + offset;
+    }
+    data_ = storage_.data();
+  }
+  const float* data() const { return data_; }
+  bool present() const { return data_ != nullptr; }
+
+ private:
+  std::vector<float> storage_;
+  const float* data_ = nullptr;
+};
+
+float rstd_from_mean_square(float mean_square, float eps) {
+  return 1.0f / std::sqrt(mean_square + eps);
+}
+
+// Chunked reduction over columns [0, cols) of one row, in the fixed order shared with the
+// split-row path: sum over chunks of chunk_fn(chunk begin, chunk length).
+template <typename ChunkFn>
+float chunked_sum(std::int64_t cols, ChunkFn chunk_fn) {
+  float total = 0.0f;
+  for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
+    total += chunk_fn(begin, std::min(kReduceChunk, cols - begin));
+  }
+  return total;
+}
+
+// Everything the forward path needs about one call, resolved once.
+struct ForwardCall {
+  const ForwardProblem& p;
+  const DTypeKernels& k;
+  std::size_t esize;
+  PreparedVector weight;
+  PreparedVector bias;
+  bool centered;
+
+  ForwardCall(const ForwardProblem& problem)
+      : p(problem),
+        k(row_kernels().by_dtype[static_cast<int>(problem.x.dtype)]),
+        esize(dtype_size(problem.x.dtype)),
+        weight(problem.weight, problem.kind == NormKind::kRms ? problem.weight_offset : 0.0f),
+        bias(problem.bias, 0.0f),
+        centered(problem.kind == NormKind::kLayer) {}
+
+  const void* x_row(std::int64_t r) const { return advance(p.x.data, r * p.x.row_stride, esize); }
+  void* residual_row(std::int64_t r) const {
+    return advance(p.residual.data, r * p.residual.row_stride, esize);
+  }
+  void* y_row(std::int64_t r) const { return advance(p.y.data, r * p.y.row_stride, esize); }
+  // The row that gets normalized: the updated residual for the fused add, else x.
+  const void* source_row(std::int64_t r) const {
+    return p.has_residual() ? residual_row(r) : x_row(r);
+  }
+
+  // First reduction of a chunk: sum of squares (RMS; after the residual add when fused) or
+  // sum (LayerNorm's mean).
+  float first_stat(std::int64_t r, std::int64_t begin, std::int64_t n) const {
+    if (p.has_residual()) {
+      return k.add_residual(advance(x_row(r), begin, esize), advance(residual_row(r), begin, esize), n);
+    }
+    const void* x = advance(x_row(r), begin, esize);
+    return centered ? k.sum(x, n) : k.sum_squares[0](x, n, 0.0f);
+  }
+  // LayerNorm's second reduction: sum of squared deviations from the mean.
+  float centered_stat(std::int64_t r, std::int64_t begin, std::int64_t n, float mean) const {
+    return k.sum_squares[1](advance(x_row(r), begin, esize), n, mean);
+  }
+  void normalize(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd) const {
+    const auto fn = k.normalize[centered][weight.present()][bias.present()];
+    fn(advance(source_row(r), begin, esize), weight.present() ? weight.data() + begin : nullptr,
+       bias.present() ? bias.data() + begin : nullptr, advance(y_row(r), begin, esize), n, mean,
+       rstd);
+  }
+  void store_stats(std::int64_t r, float mean, float rstd) const {
+    if (p.rstd != nullptr) p.rstd[r] = rstd;
+    if (p.mean != nullptr) p.mean[r] = mean;
+  }
+};
+
+// mean and rstd of a row from its chunk statistics (first, and for LayerNorm centered).
+void forward_row(const ForwardCall& call, std::int64_t r) {
+  const std::int64_t cols = call.p.cols();
+  const float first = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); });
+  float mean = 0.0f;
+  float mean_square;
+  if (call.centered) {
+    mean = first / static_cast<float>(cols);
+    mean_square = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) {
+                    return call.centered_stat(r, b, n, mean);
+                  }) / static_cast<float>(cols);
+  } else {
+    mean_square = first / static_cast<float>(cols);
+  }
+  const float rstd = rstd_from_mean_square(mean_square, call.p.eps);
+  call.normalize(r, 0, cols, mean, rstd);
+  call.store_stats(r, mean, rstd);
+}
+
+// Few long rows: every phase runs over (row, chunk) tasks, and per-row sums are added
+// in chunk order, exactly as chunked_sum does.
+void forward_split_rows(const ForwardCall& call, int threads) {
+  const std::int64_t rows = call.p.rows(), cols = call.p.cols();
+  const std::int64_t chunks = ceil_div(cols, kReduceChunk);
+  const std::int64_t tasks = rows * chunks;
+  std::vector<float> partial(static_cast<std::size_t>(tasks));
+  std::vector<float> mean(static_cast<std::size_t>(rows), 0.0f), rstd(static_cast<std::size_t>(rows));
+  auto chunk_of = [&](std::int64_t t, std::int64_t* r, std::int64_t* begin, std::int64_t* n) {
+    *r = t / chunks;
+    *begin = (t % chunks) * kReduceChunk;
+    *n = std::min(kReduceChunk, cols - *begin);
+  };
+  auto row_total = [&](std::int64_t r) {
+    float total = 0.0f;
+    for (std::int64_t c = 0; c < chunks; ++c) total += partial[r * chunks + c];
+    return total;
+  };
+
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t t = 0; t < tasks; ++t) {
+    std::int64_t r, begin, n;
+    chunk_of(t, &r, &begin, &n);
+    partial[t] = call.first_stat(r, begin, n);
+  }
+  if (call.centered) {
+    for (std::int64_t r = 0; r < rows; ++r) mean[r] = row_total(r) / static_cast<float>(cols);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (std::int64_t t = 0; t < tasks; ++t) {
+      std::int64_t r, begin, n;
+      chunk_of(t, &r, &begin, &n);
+      partial[t] = call.centered_stat(r, begin, n, mean[r]);
+    }
+  }
+  for (std::int64_t r = 0; r < rows; ++r) {
+    rstd[r] = rstd_from_mean_square(row_total(r) / static_cast<float>(cols), call.p.eps);
+    call.store_stats(r, mean[r], rstd[r]);
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t t = 0; t < tasks; ++t) {
+    std::int64_t r, begin, n;
+    chunk_of(t, &r, &begin, &n);
+    call.normalize(r, begin, n, mean[r], rstd[r]);
+  }
+}
+
+std::size_t forward_bytes(const ForwardProblem& p) {
+  const std::size_t streams = p.has_residual() ? 4 : 2;
+  return streams * static_cast<std::size_t>(p.rows() * p.cols()) * dtype_size(p.x.dtype);
+}
+
+// ---- Backward --------------------------------------------------------------------------
+
+struct BackwardCall {
+  const BackwardProblem& p;
+  const DTypeKernels& k;
+  std::size_t esize;
+  PreparedVector weight;
+  bool centered;
+  bool want_dw;
+  bool want_db;
+  BackwardApplyFn apply;
+  // Where dx goes when the caller wants none: one row of scratch per thread.
+  std::vector<char> discarded_dx;
+
+  BackwardCall(const BackwardProblem& problem, int threads)
+      : p(problem),
+        k(row_kernels().by_dtype[static_cast<int>(problem.x.dtype)]),
+        esize(dtype_size(problem.x.dtype)),
+        weight(problem.weight, problem.kind == NormKind::kRms ? problem.weight_offset : 0.0f),
+        centered(problem.kind == NormKind::kLayer),
+        want_dw(problem.dw.data != nullptr),
+        want_db(problem.db.data != nullptr),
+        apply(k.backward_apply[centered][weight.present()][want_dw][want_db]) {
+    if (p.dx.data == nullptr) {
+      discarded_dx.resize(static_cast<std::size_t>(threads) * p.cols() * esize);
+    }
+  }
+
+  const void* x_row(std::int64_t r) const { return advance(p.x.data, r * p.x.row_stride, esize); }
+  const void* dy_row(std::int64_t r) const { return advance(p.dy.data, r * p.dy.row_stride, esize); }
+  void* dx_row(std::int64_t r) {
+    if (p.dx.data != nullptr) return advance(p.dx.data, r * p.dx.row_stride, esize);
+    return discarded_dx.data() + omp_get_thread_num() * p.cols() * esize;
+  }
+
+  // mean and rstd of row r: given, or recomputed exactly as the forward computes them.
+  void row_stats(std::int64_t r, float* mean, float* rstd) const {
+    if (p.rstd != nullptr) {
+      *rstd = p.rstd[r];
+      *mean = (centered && p.mean != nullptr) ? p.mean[r] : 0.0f;
+      return;
+    }
+    const std::int64_t cols = p.cols();
+    const void* x = x_row(r);
+    float m = 0.0f, mean_square;
+    if (centered) {
+      m = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) { return k.sum(advance(x, b, esize), n); }) /
+          static_cast<float>(cols);
+      mean_square = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) {
+                      return k.sum_squares[1](advance(x, b, esize), n, m);
+                    }) / static_cast<float>(cols);
+    } else {
+      mean_square = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) {
+                      return k.sum_squares[0](advance(x, b, esize), n, 0.0f);
+                    }) / static_cast<float>(cols);
+    }
+    *mean = m;
+    *rstd = rstd_from_mean_square(mean_square, p.eps);
+  }
+
+  void dots(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
+            float* g_xhat, float* g) const {
+    k.backward_dots[centered][weight.present()](advance(dy_row(r), begin, esize),
+                                                advance(x_row(r), begin, esize),
+                                                weight.present() ? weight.data() + begin : nullptr,
+                                                n, mean, rstd, g_xhat, g);
+  }
+
+  void apply_chunk(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
+                   float mean_g, float mean_g_xhat, float* dw_acc, float* db_acc) {
+    apply(advance(dy_row(r), begin, esize), advance(x_row(r), begin, esize),
+          weight.present() ? weight.data() + begin : nullptr, advance(dx_row(r), begin, esize),
+          dw_acc, db_acc, n, mean, rstd, mean_g, mean_g_xhat);
+  }
+};
+
+// Per-row coefficients of dx.
+struct RowCoefficients {
+  float mean, rstd, mean_g, mean_g_xhat;
+};
+
+// dst (in the gradient's dtype) = sum over blocks of partials, added in block order.
+void finish_column_sums(const float* partials, std::int64_t blocks, std::int64_t cols,
+                        Vector dst, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
+    const std::int64_t end = std::min(cols, begin + kReduceChunk);
+    for (std::int64_t j = begin; j < end; ++j) {
+      float total = 0.0f;
+      for (std::int64_t b = 0; b < blocks; ++b) total += partials[b * cols + j];
+      detail::store_from_float(dst.data, dst.dtype, j, total);
+    }
+  }
+}
+
+void backward_rows(BackwardCall& call, int threads, float* dw_partials, float* db_partials) {
+  const std::int64_t rows = call.p.rows(), cols = call.p.cols();
+  const RowBlocks blocks = row_blocks(rows);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t b = 0; b < blocks.count; ++b) {
+    float* dw_acc = call.want_dw ? dw_partials + b * cols : nullptr;
+    float* db_acc = call.want_db ? db_partials + b * cols : nullptr;
+    if (dw_acc) std::fill(dw_acc, dw_acc + cols, 0.0f);
+    if (db_acc) std::fill(db_acc, db_acc + cols, 0.0f);
+    const std::int64_t end = std::min(rows, (b + 1) * blocks.rows_per_block);
+    for (std::int64_t r = b * blocks.rows_per_block; r < end; ++r) {
+      float mean, rstd;
+      call.row_stats(r, &mean, &rstd);
+      float sum_g_xhat = 0.0f, sum_g = 0.0f;
+      for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
+        float g_xhat, g;
+        call.dots(r, begin, std::min(kReduceChunk, cols - begin), mean, rstd, &g_xhat, &g);
+        sum_g_xhat += g_xhat;
+        sum_g += g;
+      }
+      call.apply_chunk(r, 0, cols, mean, rstd, sum_g / static_cast<float>(cols),
+                       sum_g_xhat / static_cast<float>(cols), dw_acc, db_acc);
+    }
+  }
+  if (call.want_dw) finish_column_sums(dw_partials, blocks.count, cols, call.p.dw, threads);
+  if (call.want_db) finish_column_sums(db_partials, blocks.count, cols, call.p.db, threads);
+}
+
+// Few long rows: row coefficients from (row, chunk) tasks, then dx / dw / db by column
+// chunk, each chunk walking the same row blocks in the same order as backward_rows.
+void backward_split_rows(BackwardCall& call, int threads) {
+  const std::int64_t rows = call.p.rows(), cols = call.p.cols();
+  const std::int64_t chunks = ceil_div(cols, kReduceChunk);
+  std::vector<RowCoefficients> coef(static_cast<std::size_t>(rows));
+  // Recomputing rstd here runs on one thread per row; the usual caller (autograd) passes
+  // the rstd saved by the forward.
+  for (std::int64_t r = 0; r < rows; ++r) call.row_stats(r, &coef[r].mean, &coef[r].rstd);
+  std::vector<float> g_xhat(static_cast<std::size_t>(rows * chunks)), g(g_xhat.size());
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t t = 0; t < rows * chunks; ++t) {
+    const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
+    call.dots(r, begin, std::min(kReduceChunk, cols - begin), coef[r].mean, coef[r].rstd,
+              &g_xhat[t], &g[t]);
+  }
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float sum_g_xhat = 0.0f, sum_g = 0.0f;
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      sum_g_xhat += g_xhat[r * chunks + c];
+      sum_g += g[r * chunks + c];
+    }
+    coef[r].mean_g = sum_g / static_cast<float>(cols);
+    coef[r].mean_g_xhat = sum_g_xhat / static_cast<float>(cols);
+  }
+  const RowBlocks blocks = row_blocks(rows);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> block_dw(call.want_dw ? kReduceChunk : 0), block_db(call.want_db ? kReduceChunk : 0);
+    std::vector<float> total_dw(block_dw.size()), total_db(block_db.size());
+#pragma omp for schedule(static)
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t begin = c * kReduceChunk, n = std::min(kReduceChunk, cols - begin);
+      std::fill(total_dw.begin(), total_dw.end(), 0.0f);
+      std::fill(total_db.begin(), total_db.end(), 0.0f);
+      for (std::int64_t b = 0; b < blocks.count; ++b) {
+        std::fill(block_dw.begin(), block_dw.end(), 0.0f);
+        std::fill(block_db.begin(), block_db.end(), 0.0f);
+        const std::int64_t end = std::min(rows, (b + 1) * blocks.rows_per_block);
+        for (std::int64_t r = b * blocks.rows_per_block; r < end; ++r) {
+          call.apply_chunk(r, begin, n, coef[r].mean, coef[r].rstd, coef[r].mean_g,
+                           coef[r].mean_g_xhat, call.want_dw ? block_dw.data() : nullptr,
+                           call.want_db ? block_db.data() : nullptr);
+        }
+        for (std::int64_t j = 0; j < static_cast<std::int64_t>(total_dw.size()); ++j) total_dw[j] += block_dw[j];
+        for (std::int64_t j = 0; j < static_cast<std::int64_t>(total_db.size()); ++j) total_db[j] += block_db[j];
+      }
+      for (std::int64_t j = 0; j < n; ++j) {
+        if (call.want_dw) detail::store_from_float(call.p.dw.data, call.p.dw.dtype, begin + j, total_dw[j]);
+        if (call.want_db) detail::store_from_float(call.p.db.data, call.p.db.dtype, begin + j, total_db[j]);
+      }
+    }
+  }
+}
+
+void zero_vector(Vector v) {
+  for (std::int64_t j = 0; v.data != nullptr && j < v.size; ++j) {
+    detail::store_from_float(v.data, v.dtype, j, 0.0f);
+  }
+}
+
+}  // namespace
+
+RowBlocks row_blocks(std::int64_t rows) {
+  const std::int64_t count =
+      std::max<std::int64_t>(1, std::min(kMaxRowBlocks, ceil_div(rows, kMinRowsPerBlock)));
+  const std::int64_t rows_per_block = std::max<std::int64_t>(1, ceil_div(rows, count));
+  return {std::max<std::int64_t>(1, ceil_div(rows, rows_per_block)), rows_per_block};
+}
+
+ThreadPlan plan_threads(std::int64_t rows, std::int64_t cols, std::size_t bytes_moved,
+                        int requested_threads) {
+  const int available = requested_threads > 0 ? requested_threads : omp_get_num_procs();
+  const auto by_size = static_cast<std::int64_t>(bytes_moved / kMinBytesPerThread);
+  const int threads =
+      static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(available, by_size)));
+  // A row is split across threads only when there are too few rows to go round and each
+  // thread still gets at least one whole chunk.
+  const bool split = threads > 1 && rows < threads && cols >= 2 * kReduceChunk;
+  return {threads, split};
+}
+
+std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
+  // dw and db partials, one fp32 row of each per row block.
+  return 2 * static_cast<std::size_t>(row_blocks(rows).count * cols) * sizeof(float);
+}
+
+void forward(const ForwardProblem& p, int num_threads) {
+  if (p.rows() == 0) return;
+  const ForwardCall call(p);
+  const ThreadPlan plan = plan_threads(p.rows(), p.cols(), forward_bytes(p), num_threads);
+  if (plan.split_rows) {
+    forward_split_rows(call, plan.threads);
+    return;
+  }
+#pragma omp parallel for num_threads(plan.threads) schedule(static)
+  for (std::int64_t r = 0; r < p.rows(); ++r) forward_row(call, r);
+}
+
+void backward(const BackwardProblem& p, int num_threads) {
+  if (p.rows() == 0) {
+    zero_vector(p.dw);
+    zero_vector(p.db);
+    return;
+  }
+  const std::size_t needed = backward_workspace_bytes(p.rows(), p.cols());
+  if (p.workspace.data != nullptr && p.workspace.bytes < needed) {
+    detail::fail(p.kind == NormKind::kRms ? "rms_norm_backward" : "layer_norm_backward",
+                 "workspace",
+                 std::to_string(p.workspace.bytes) + " bytes given, " + std::to_string(needed) +
+                     " needed (see backward_workspace_bytes)");
+  }
+  const std::size_t bytes = 3 * static_cast<std::size_t>(p.rows() * p.cols()) * dtype_size(p.x.dtype);
+  const ThreadPlan plan = plan_threads(p.rows(), p.cols(), bytes, num_threads);
+  BackwardCall call(p, plan.threads);
+  if (plan.split_rows) {
+    backward_split_rows(call, plan.threads);
+    return;
+  }
+  std::unique_ptr<float[]> owned;
+  float* partials = static_cast<float*>(p.workspace.data);
+  if (partials == nullptr) {
+    owned.reset(new float[needed / sizeof(float)]);
+    partials = owned.get();
+  }
+  const std::size_t half = needed / sizeof(float) / 2;
+  backward_rows(call, plan.threads, partials, partials + half);
+}
+
+}  // namespace fusednorm::cpu

@@ -1,0 +1,59 @@
+// Per-row building blocks of the CPU backend, written once against Highway's portable
+// vectors (row_kernels.cc) and compiled for every SIMD target; row_kernels() returns the
+// table of the best target this CPU supports. Each function works on n consecutive
+// elements of one row; the caller (cpu_backend.cpp) owns rows, chunks and threads.
+//
+// Weights and biases reach these kernels already converted to fp32 (weight_offset folded
+// in), so the element type T of x / y / dy / dx is the only dtype dimension.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "fusednorm/fusednorm.h"
+
+namespace fusednorm::cpu {
+
+// Sum of x.
+using SumFn = float (*)(const void* x, std::int64_t n);
+// Sum of (x - center)^2; the uncentered (RMSNorm) variant ignores center.
+using SumSquaresFn = float (*)(const void* x, std::int64_t n, float center);
+// residual <- round(x + residual); returns the sum of squares of the rounded residual.
+using AddResidualFn = float (*)(const void* x, void* residual, std::int64_t n);
+// y = (x - mean) * rstd [* w] [+ b].
+using NormalizeFn = void (*)(const void* x, const float* w, const float* b, void* y,
+                             std::int64_t n, float mean, float rstd);
+// With x_hat = (x - mean) * rstd and g = dy [* w]: sum of g * x_hat, and (centered only)
+// sum of g.
+using BackwardDotsFn = void (*)(const void* dy, const void* x, const float* w, std::int64_t n,
+                                float mean, float rstd, float* sum_g_xhat, float* sum_g);
+// dx = rstd * (g - mean_g - x_hat * mean_g_xhat); dw_acc += dy * x_hat; db_acc += dy.
+using BackwardApplyFn = void (*)(const void* dy, const void* x, const float* w, void* dx,
+                                 float* dw_acc, float* db_acc, std::int64_t n, float mean,
+                                 float rstd, float mean_g, float mean_g_xhat);
+
+struct DTypeKernels {
+  SumFn sum;
+  SumSquaresFn sum_squares[2];                    // [centered]
+  AddResidualFn add_residual;
+  NormalizeFn normalize[2][2][2];                 // [centered][weight][bias]
+  BackwardDotsFn backward_dots[2][2];             // [centered][weight]
+  BackwardApplyFn backward_apply[2][2][2][2];     // [centered][weight][dw][db]
+};
+
+struct RowKernels {
+  DTypeKernels by_dtype[3];  // indexed by DType
+  const char* target_name;
+};
+
+// The kernels of the best SIMD target this CPU supports (chosen once, thread-safe).
+const RowKernels& row_kernels();
+
+// Tests: the kernels of every target compiled into this binary that this CPU can run.
+struct TargetKernels {
+  const char* name;
+  RowKernels kernels;
+};
+std::vector<TargetKernels> kernels_for_all_supported_targets();
+
+}  // namespace fusednorm::cpu

@@ -1,0 +1,134 @@
+#include "fusednorm/reference.h"
+
+#include <cmath>
+#include <cstddef>
+
+#include "core/scalar_convert.h"
+
+namespace fusednorm::reference {
+namespace {
+
+using detail::load_as_float;
+
+double element(const ConstMatrix& m, std::int64_t r, std::int64_t j) {
+  return load_as_float(m.data, m.dtype, r * m.row_stride + j);
+}
+
+double weight_at(const ConstVector& w, std::int64_t j, double offset) {
+  return w.data == nullptr ? 1.0 : load_as_float(w.data, w.dtype, j) + offset;
+}
+
+std::size_t index(std::int64_t r, std::int64_t cols, std::int64_t j) {
+  return static_cast<std::size_t>(r * cols + j);
+}
+
+// Normalize rows of `source` (row-major rows x cols doubles).
+ForwardResult normalize(const std::vector<double>& source, std::int64_t rows, std::int64_t cols,
+                        bool centered, ConstVector weight, double weight_offset,
+                        ConstVector bias, double eps) {
+  ForwardResult out;
+  out.y.resize(source.size());
+  out.rstd.resize(static_cast<std::size_t>(rows));
+  if (centered) out.mean.resize(static_cast<std::size_t>(rows));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double mean = 0.0;
+    if (centered) {
+      for (std::int64_t j = 0; j < cols; ++j) mean += source[index(r, cols, j)];
+      mean /= static_cast<double>(cols);
+      out.mean[r] = mean;
+    }
+    double mean_square = 0.0;
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double d = source[index(r, cols, j)] - mean;
+      mean_square += d * d;
+    }
+    mean_square /= static_cast<double>(cols);
+    // eps is an fp32 value in the API; add it as such.
+    const double rstd = 1.0 / std::sqrt(mean_square + eps);
+    out.rstd[r] = rstd;
+    for (std::int64_t j = 0; j < cols; ++j) {
+      double v = (source[index(r, cols, j)] - mean) * rstd * weight_at(weight, j, weight_offset);
+      if (bias.data != nullptr) v += load_as_float(bias.data, bias.dtype, j);
+      out.y[index(r, cols, j)] = v;
+    }
+  }
+  return out;
+}
+
+std::vector<double> to_doubles(const ConstMatrix& m) {
+  std::vector<double> v(static_cast<std::size_t>(m.rows * m.cols));
+  for (std::int64_t r = 0; r < m.rows; ++r) {
+    for (std::int64_t j = 0; j < m.cols; ++j) v[index(r, m.cols, j)] = element(m, r, j);
+  }
+  return v;
+}
+
+BackwardResult backward(ConstMatrix dy, ConstMatrix x, ConstVector weight, double weight_offset,
+                        bool centered, bool want_db, double eps) {
+  const std::int64_t rows = x.rows, cols = x.cols;
+  const ForwardResult fwd =
+      normalize(to_doubles(x), rows, cols, centered, {}, 0.0, {}, eps);  // y = x_hat
+  BackwardResult out;
+  out.dx.resize(static_cast<std::size_t>(rows * cols));
+  if (weight.data != nullptr) out.dw.assign(static_cast<std::size_t>(cols), 0.0);
+  if (want_db) out.db.assign(static_cast<std::size_t>(cols), 0.0);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double sum_g = 0.0, sum_g_xhat = 0.0;
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double g = element(dy, r, j) * weight_at(weight, j, weight_offset);
+      sum_g += g;
+      sum_g_xhat += g * fwd.y[index(r, cols, j)];
+    }
+    const double mean_g = centered ? sum_g / static_cast<double>(cols) : 0.0;
+    const double mean_g_xhat = sum_g_xhat / static_cast<double>(cols);
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double xhat = fwd.y[index(r, cols, j)];
+      const double d = element(dy, r, j);
+      const double g = d * weight_at(weight, j, weight_offset);
+      out.dx[index(r, cols, j)] = fwd.rstd[r] * (g - mean_g - xhat * mean_g_xhat);
+      if (!out.dw.empty()) out.dw[j] += d * xhat;
+      if (want_db) out.db[j] += d;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+ForwardResult rms_norm(ConstMatrix x, ConstVector weight, const RmsNormOptions& options) {
+  return normalize(to_doubles(x), x.rows, x.cols, false, weight, options.weight_offset, {},
+                   options.eps);
+}
+
+ForwardResult fused_add_rms_norm(ConstMatrix x, ConstMatrix residual, ConstVector weight,
+                                 const RmsNormOptions& options) {
+  std::vector<double> updated(static_cast<std::size_t>(x.rows * x.cols));
+  for (std::int64_t r = 0; r < x.rows; ++r) {
+    for (std::int64_t j = 0; j < x.cols; ++j) {
+      // The stored residual is the fp32 sum rounded once to the dtype.
+      const float sum = static_cast<float>(element(x, r, j) + element(residual, r, j));
+      updated[index(r, x.cols, j)] = detail::round_to_dtype(sum, residual.dtype);
+    }
+  }
+  ForwardResult out =
+      normalize(updated, x.rows, x.cols, false, weight, options.weight_offset, {}, options.eps);
+  out.residual = std::move(updated);
+  return out;
+}
+
+ForwardResult layer_norm(ConstMatrix x, ConstVector weight, ConstVector bias,
+                         const LayerNormOptions& options) {
+  return normalize(to_doubles(x), x.rows, x.cols, true, weight, 0.0, bias, options.eps);
+}
+
+BackwardResult rms_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                                 const RmsNormOptions& options) {
+  return backward(dy, x, weight, options.weight_offset, false, false, options.eps);
+}
+
+BackwardResult layer_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                                   bool want_db, const LayerNormOptions& options) {
+  return backward(dy, x, weight, 0.0, true, want_db, options.eps);
+}
+
+}  // namespace fusednorm::reference
