@@ -1,1 +1,427 @@
-int main(){}
+// fusednorm-bench: the project's main job. Runs the fused CPU operators against the
+// stepwise baseline and LayerNorm on one problem, checks every result against the fp64
+// reference, and reports time, bandwidth and the share of memcpy bandwidth measured in the
+// same run with the same thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <new>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/scalar_convert.h"
+#include "cpu/row_kernels.h"
+#include "fusednorm/fusednorm.h"
+#include "fusednorm/reference.h"
+#include "stepwise.h"
+
+// ---- Allocation accounting: every operator new during a measured call is counted --------
+namespace {
+std::atomic<std::size_t> g_allocated_bytes{0};
+}
+
+void* operator new(std::size_t size) {
+  g_allocated_bytes.fetch_add(size, std::memory_order_relaxed);
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size) { return operator new(size); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+using namespace fusednorm;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string op = "all";
+  std::int64_t rows = 512;  // LLaMA-7B layer: batch 1 x 512 tokens
+  std::int64_t dim = 4096;  // hidden size
+  DType dtype = DType::kFloat16;
+  int threads = 0;
+  int repeat = 30;
+  bool json = false;
+};
+
+[[noreturn]] void usage(const char* message) {
+  if (message) std::fprintf(stderr, "fusednorm-bench: %s\n\n", message);
+  std::fprintf(stderr,
+               "usage: fusednorm-bench [--op OP] [--rows N] [--dim D] [--dtype T] [--threads N]\n"
+               "                       [--repeat N] [--json]\n"
+               "  --op       all (default), rms_norm, fused_add_rms_norm, rms_norm_backward,\n"
+               "             layer_norm, layer_norm_backward\n"
+               "  --rows     rows (tokens), default 512\n"
+               "  --dim      D (hidden size), default 4096\n"
+               "  --dtype    float16 (default), bfloat16, float32 (also fp16, bf16, fp32)\n"
+               "  --threads  CPU threads, default 0 = all hardware threads\n"
+               "  --repeat   timed runs per case (median reported), default 30\n"
+               "  --json     one JSON object per line instead of the table\n");
+  std::exit(message ? 2 : 0);
+}
+
+std::int64_t parse_int(const char* flag, const char* text, std::int64_t min) {
+  char* end = nullptr;
+  const long long v = std::strtoll(text, &end, 10);
+  if (end == text || *end != '\0' || v < min) {
+    usage((std::string(flag) + " needs an integer >= " + std::to_string(min) + ", got '" + text + "'").c_str());
+  }
+  return v;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") usage(nullptr);
+    if (arg == "--json") {
+      o.json = true;
+      continue;
+    }
+    if (i + 1 >= argc) usage((arg + " needs a value").c_str());
+    const char* value = argv[++i];
+    if (arg == "--op") {
+      o.op = value;
+    } else if (arg == "--rows") {
+      o.rows = parse_int("--rows", value, 1);
+    } else if (arg == "--dim") {
+      o.dim = parse_int("--dim", value, 1);
+    } else if (arg == "--threads") {
+      o.threads = static_cast<int>(parse_int("--threads", value, 0));
+    } else if (arg == "--repeat") {
+      o.repeat = static_cast<int>(parse_int("--repeat", value, 1));
+    } else if (arg == "--dtype") {
+      const std::string t = value;
+      if (t == "float16" || t == "fp16") o.dtype = DType::kFloat16;
+      else if (t == "bfloat16" || t == "bf16") o.dtype = DType::kBFloat16;
+      else if (t == "float32" || t == "fp32") o.dtype = DType::kFloat32;
+      else usage(("unknown --dtype '" + t + "'").c_str());
+    } else {
+      usage(("unknown option '" + arg + "'").c_str());
+    }
+  }
+  const char* ops[] = {"all", "rms_norm", "fused_add_rms_norm", "rms_norm_backward", "layer_norm",
+                       "layer_norm_backward"};
+  if (std::none_of(std::begin(ops), std::end(ops), [&](const char* op) { return o.op == op; })) {
+    usage(("unknown --op '" + o.op + "'").c_str());
+  }
+  return o;
+}
+
+// A rows x cols buffer of one dtype, filled from a distribution.
+struct Tensor {
+  std::vector<unsigned char> bytes;
+  DType dtype;
+  std::int64_t rows, cols;
+
+  Tensor(DType t, std::int64_t r, std::int64_t c)
+      : bytes(static_cast<std::size_t>(r * c) * dtype_size(t)), dtype(t), rows(r), cols(c) {}
+  void fill_uniform(std::mt19937_64& rng, float lo, float hi) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    for (std::int64_t i = 0; i < rows * cols; ++i) detail::store_from_float(bytes.data(), dtype, i, dist(rng));
+  }
+  Matrix view() { return matrix(bytes.data(), dtype, rows, cols); }
+  ConstVector vec() const { return {bytes.data(), dtype, cols}; }
+  Vector mut_vec() { return {bytes.data(), dtype, cols}; }
+  float at(std::int64_t i) const { return detail::load_as_float(bytes.data(), dtype, i); }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Largest |got - want| over all elements, and the largest |want|.
+struct ErrorStats {
+  double max_abs_err = 0.0;
+  double max_abs_ref = 0.0;
+};
+ErrorStats compare(const Tensor& got, const std::vector<double>& want) {
+  ErrorStats s;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    s.max_abs_err = std::max(s.max_abs_err, std::fabs(got.at(static_cast<std::int64_t>(i)) - want[i]));
+    s.max_abs_ref = std::max(s.max_abs_ref, std::fabs(want[i]));
+  }
+  return s;
+}
+
+// What a result may differ from the fp64 reference by: half an ulp of the dtype at the
+// largest magnitude (the single rounding at the store) plus fp32 arithmetic.
+double error_limit(DType dtype, double max_abs_ref, double fp32_slack) {
+  const int mantissa_bits = dtype == DType::kFloat32 ? 23 : dtype == DType::kFloat16 ? 10 : 7;
+  const double ulp = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(std::max(max_abs_ref, 1e-30)))) - mantissa_bits);
+  return 0.5 * ulp + fp32_slack * max_abs_ref;
+}
+
+// Parallel memcpy with the same thread count: the bandwidth ceiling for this run.
+double memcpy_gbps(std::size_t bytes, int threads, int repeat) {
+  std::vector<unsigned char> src(bytes, 1), dst(bytes, 0);
+  std::vector<double> times;
+  for (int i = 0; i < repeat + 2; ++i) {
+    const auto start = Clock::now();
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+      const std::size_t begin = bytes * t / n, end = bytes * (t + 1) / n;
+      std::memcpy(dst.data() + begin, src.data() + begin, end - begin);
+    }
+    if (i >= 2) times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  return 2.0 * static_cast<double>(bytes) / median(times) / 1e9;
+}
+
+struct Result {
+  Result(std::string op_name, std::string impl_name) : op(std::move(op_name)), impl(std::move(impl_name)) {}
+  std::string op, impl;
+  double median_us = 0, gbps = 0, pct_of_memcpy = 0, max_abs_err = 0, error_limit = 0;
+  std::size_t extra_bytes = 0;
+  std::string note;
+};
+
+class Bench {
+ public:
+  explicit Bench(const Options& o) : o_(o), threads_(o.threads > 0 ? o.threads : omp_get_num_procs()) {
+    ctx_.num_threads = threads_;
+    std::mt19937_64 rng(20261130);
+    const std::int64_t r = o.rows, d = o.dim;
+    // Inputs in ranges that keep |y| below 2, where the fp16 rounding step is < 1e-3.
+    x_.emplace_back(o.dtype, r, d);
+    x_[0].fill_uniform(rng, -1.0f, 1.0f);
+    residual_init_.emplace_back(o.dtype, r, d);
+    residual_init_[0].fill_uniform(rng, -0.5f, 0.5f);
+    dy_.emplace_back(o.dtype, r, d);
+    dy_[0].fill_uniform(rng, -0.5f, 0.5f);
+    weight_.emplace_back(o.dtype, 1, d);
+    weight_[0].fill_uniform(rng, 0.5f, 1.0f);
+    bias_.emplace_back(o.dtype, 1, d);
+    bias_[0].fill_uniform(rng, -0.1f, 0.1f);
+    element_bytes_ = static_cast<double>(r * d) * static_cast<double>(dtype_size(o.dtype));
+    memcpy_gbps_ = memcpy_gbps(static_cast<std::size_t>(element_bytes_), threads_, std::max(5, o.repeat / 2));
+  }
+
+  int threads() const { return threads_; }
+  double memcpy_bandwidth() const { return memcpy_gbps_; }
+
+  std::vector<Result> run() {
+    const bool all = o_.op == "all";
+    std::vector<std::function<void()>> cases;
+    if (all || o_.op == "rms_norm") {
+      cases.push_back([this] { rms_forward(false); });
+      cases.push_back([this] { rms_forward(true); });
+    }
+    if (all || o_.op == "layer_norm") cases.push_back([this] { layer_forward(); });
+    if (all || o_.op == "fused_add_rms_norm") cases.push_back([this] { fused_add(); });
+    if (all || o_.op == "rms_norm_backward") {
+      cases.push_back([this] { rms_backward(false); });
+      cases.push_back([this] { rms_backward(true); });
+    }
+    if (all || o_.op == "layer_norm_backward") cases.push_back([this] { layer_backward(); });
+    const auto start = Clock::now();
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      // Announce progress once the run has taken more than a couple of seconds.
+      if (std::chrono::duration<double>(Clock::now() - start).count() > 2.0) {
+        std::fprintf(stderr, "fusednorm-bench: case %zu of %zu...\n", i + 1, cases.size());
+      }
+      cases[i]();
+    }
+    return results_;
+  }
+
+ private:
+  std::size_t weight_bytes() const { return static_cast<std::size_t>(o_.dim) * dtype_size(o_.dtype); }
+
+  // Time fn (median of o_.repeat runs after a warm-up) and record bytes it allocates.
+  void measure(Result r, double bytes_moved, const std::function<void()>& fn) {
+    fn();  // warm-up
+    const std::size_t before = g_allocated_bytes.load();
+    fn();
+    r.extra_bytes = g_allocated_bytes.load() - before;
+    std::vector<double> times;
+    for (int i = 0; i < o_.repeat; ++i) {
+      const auto start = Clock::now();
+      fn();
+      times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    }
+    const double seconds = median(times);
+    r.median_us = seconds * 1e6;
+    r.gbps = bytes_moved / seconds / 1e9;
+    r.pct_of_memcpy = 100.0 * r.gbps / memcpy_gbps_;
+    results_.push_back(r);
+  }
+
+  void check(Result& r, const Tensor& got, const std::vector<double>& want, double slack) {
+    const ErrorStats e = compare(got, want);
+    r.max_abs_err = e.max_abs_err;
+    r.error_limit = error_limit(o_.dtype, e.max_abs_ref, slack);
+  }
+
+  void rms_forward(bool fused) {
+    Tensor y(o_.dtype, o_.rows, o_.dim);
+    const ConstMatrix x = x_[0].view();
+    const ConstVector w = weight_[0].vec();
+    Result r("rms_norm", fused ? "fused" : "stepwise");
+    auto fn = [&] {
+      if (fused) rms_norm(ctx_, x, w, y.view(), nullptr, {});
+      else bench::stepwise_rms_norm(x, w, y.view(), RmsNormOptions{}.eps, threads_);
+    };
+    fn();
+    check(r, y, reference::rms_norm(x, w).y, 1e-5);
+    measure(r, 2 * element_bytes_ + static_cast<double>(weight_bytes()), fn);
+  }
+
+  void layer_forward() {
+    Tensor y(o_.dtype, o_.rows, o_.dim);
+    const ConstMatrix x = x_[0].view();
+    Result r("layer_norm", "fused");
+    auto fn = [&] { layer_norm(ctx_, x, weight_[0].vec(), bias_[0].vec(), y.view(), nullptr, nullptr); };
+    fn();
+    check(r, y, reference::layer_norm(x, weight_[0].vec(), bias_[0].vec()).y, 1e-5);
+    measure(r, 2 * element_bytes_ + 2.0 * static_cast<double>(weight_bytes()), fn);
+  }
+
+  void fused_add() {
+    Tensor y(o_.dtype, o_.rows, o_.dim);
+    Tensor residual = residual_init_[0];
+    const ConstMatrix x = x_[0].view();
+    Result r("fused_add_rms_norm", "fused");
+    const auto want = reference::fused_add_rms_norm(x, residual.view(), weight_[0].vec());
+    auto fn = [&] { fused_add_rms_norm(ctx_, x, residual.view(), weight_[0].vec(), y.view(), nullptr); };
+    fn();
+    check(r, y, want.y, 1e-5);
+    const ErrorStats residual_err = compare(residual, want.residual);
+    if (residual_err.max_abs_err != 0.0) r.note = "residual differs from reference";
+    // The timed runs keep adding x into residual; that changes values, not the work.
+    measure(r, 4 * element_bytes_ + static_cast<double>(weight_bytes()), fn);
+  }
+
+  void rms_backward(bool fused) {
+    Tensor dx(o_.dtype, o_.rows, o_.dim);
+    Tensor dw(o_.dtype, 1, o_.dim);
+    const ConstMatrix x = x_[0].view(), dy = dy_[0].view();
+    const ConstVector w = weight_[0].vec();
+    std::vector<float> rstd(static_cast<std::size_t>(o_.rows));
+    rms_norm(ctx_, x, w, matrix(dx.bytes.data(), o_.dtype, o_.rows, o_.dim), rstd.data());  // dx: scratch
+    Result r("rms_norm_backward", fused ? "fused" : "stepwise");
+    auto fn = [&] {
+      if (fused) rms_norm_backward(ctx_, dy, x, w, rstd.data(), dx.view(), dw.mut_vec());
+      else bench::stepwise_rms_norm_backward(dy, x, w, dx.view(), dw.mut_vec(), RmsNormOptions{}.eps, threads_);
+    };
+    fn();
+    const auto want = reference::rms_norm_backward(dy, x, w);
+    check(r, dx, want.dx, 1e-5);
+    check_gradient_vector(r, dw, want.dw);
+    measure(r, 3 * element_bytes_ + 2.0 * static_cast<double>(weight_bytes()) + 4.0 * static_cast<double>(o_.rows), fn);
+  }
+
+  void layer_backward() {
+    Tensor dx(o_.dtype, o_.rows, o_.dim);
+    Tensor dw(o_.dtype, 1, o_.dim), db(o_.dtype, 1, o_.dim);
+    const ConstMatrix x = x_[0].view(), dy = dy_[0].view();
+    const ConstVector w = weight_[0].vec();
+    std::vector<float> mean(static_cast<std::size_t>(o_.rows)), rstd(mean.size());
+    layer_norm(ctx_, x, w, bias_[0].vec(), dx.view(), mean.data(), rstd.data());
+    Result r("layer_norm_backward", "fused");
+    auto fn = [&] { layer_norm_backward(ctx_, dy, x, w, mean.data(), rstd.data(), dx.view(), dw.mut_vec(), db.mut_vec()); };
+    fn();
+    const auto want = reference::layer_norm_backward(dy, x, w, true);
+    check(r, dx, want.dx, 1e-5);
+    check_gradient_vector(r, dw, want.dw);
+    measure(r, 3 * element_bytes_ + 3.0 * static_cast<double>(weight_bytes()) + 8.0 * static_cast<double>(o_.rows), fn);
+  }
+
+  // dw sums over all rows, so its error grows with the row count: judge it relative to its
+  // largest element and the number of fp32 additions behind it.
+  void check_gradient_vector(Result& r, const Tensor& got, const std::vector<double>& want) {
+    const ErrorStats e = compare(got, want);
+    const double limit = error_limit(o_.dtype, e.max_abs_ref, 1e-6 * std::sqrt(static_cast<double>(o_.rows)) + 1e-5);
+    if (e.max_abs_err > limit) {
+      r.note = "dw error " + std::to_string(e.max_abs_err) + " over limit " + std::to_string(limit);
+    }
+  }
+
+  Options o_;
+  int threads_;
+  Context ctx_;
+  std::vector<Tensor> x_, residual_init_, dy_, weight_, bias_;
+  double element_bytes_ = 0;
+  double memcpy_gbps_ = 0;
+  std::vector<Result> results_;
+};
+
+const Result* find(const std::vector<Result>& results, const std::string& op, const std::string& impl) {
+  for (const auto& r : results) {
+    if (r.op == op && r.impl == impl) return &r;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  std::vector<Result> results;
+  int threads = 0;
+  double memcpy_bw = 0;
+  try {
+    Bench bench(o);
+    threads = bench.threads();
+    memcpy_bw = bench.memcpy_bandwidth();
+    results = bench.run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fusednorm-bench: %s\n", e.what());
+    return 1;
+  }
+
+  bool ok = true;
+  for (const auto& r : results) ok = ok && r.max_abs_err <= r.error_limit && r.note.empty();
+
+  if (o.json) {
+    for (const auto& r : results) {
+      std::printf(
+          "{\"op\": \"%s\", \"impl\": \"%s\", \"dtype\": \"%s\", \"rows\": %lld, \"D\": %lld, "
+          "\"threads\": %d, \"median_us\": %.3f, \"gbps\": %.3f, \"pct_of_memcpy\": %.1f, "
+          "\"max_abs_err\": %.3g, \"extra_bytes\": %zu, \"memcpy_gbps\": %.3f}\n",
+          r.op.c_str(), r.impl.c_str(), dtype_name(o.dtype), static_cast<long long>(o.rows),
+          static_cast<long long>(o.dim), threads, r.median_us, r.gbps, r.pct_of_memcpy, r.max_abs_err,
+          r.extra_bytes, memcpy_bw);
+    }
+    return ok ? 0 : 1;
+  }
+
+  std::printf("fusednorm-bench: %lld x %lld %s, %d thread%s, CPU SIMD target %s\n",
+              static_cast<long long>(o.rows), static_cast<long long>(o.dim), dtype_name(o.dtype), threads,
+              threads == 1 ? "" : "s", cpu::row_kernels().target_name);
+  std::printf("memcpy of x's size, same threads, same run: %.1f GB/s (bytes read + written)\n\n", memcpy_bw);
+  std::printf("| op                  | impl     | median µs | GB/s   | %% of memcpy | extra bytes | max abs err (limit)   |\n");
+  std::printf("|---------------------|----------|-----------|--------|-------------|-------------|-----------------------|\n");
+  for (const auto& r : results) {
+    std::printf("| %-19s | %-8s | %9.1f | %6.1f | %10.1f%% | %11zu | %.2e (%.1e)%s |\n", r.op.c_str(),
+                r.impl.c_str(), r.median_us, r.gbps, r.pct_of_memcpy, r.extra_bytes, r.max_abs_err,
+                r.error_limit, r.max_abs_err <= r.error_limit ? "    " : " FAIL");
+  }
+  for (const auto& r : results) {
+    if (!r.note.empty()) std::printf("note: %s %s: %s\n", r.op.c_str(), r.impl.c_str(), r.note.c_str());
+  }
+  std::printf("\n");
+  auto ratio = [&](const char* label, const Result* slow, const Result* fast) {
+    if (slow && fast) std::printf("%-44s %.2fx\n", label, slow->median_us / fast->median_us);
+  };
+  ratio("fused vs stepwise RMSNorm, forward:", find(results, "rms_norm", "stepwise"), find(results, "rms_norm", "fused"));
+  ratio("fused vs stepwise RMSNorm, backward:", find(results, "rms_norm_backward", "stepwise"),
+        find(results, "rms_norm_backward", "fused"));
+  ratio("RMSNorm vs LayerNorm (fused), forward:", find(results, "layer_norm", "fused"), find(results, "rms_norm", "fused"));
+  ratio("RMSNorm vs LayerNorm (fused), backward:", find(results, "layer_norm_backward", "fused"),
+        find(results, "rms_norm_backward", "fused"));
+  std::printf("\nresult check against the fp64 reference: %s\n", ok ? "ok" : "FAILED");
+  return ok ? 0 : 1;
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs every test on a fresh or prepared machine, installing what is missing first:
+#   1. C++ library, benchmark and GoogleTest suite (Release, warnings as errors; the CUDA
+#      sources are compiled when nvcc exists, and GPU tests skip without a GPU),
+#   2. the same suite under AddressSanitizer + UndefinedBehaviorSanitizer,
+#   3. the installed package consumed by a separate CMake project (find_package),
+#   4. fusednorm-bench on a small problem (checks its results against the reference),
+#   5. the Python package's pytest suite (when python/ exists).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc)
+
+echo "== 1. build and C++ tests (Release)"
+scripts/setup.sh
+ctest --test-dir build/release --output-on-failure -j"$jobs"
+
+echo "== 2. C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFUSEDNORM_SANITIZE=address,undefined \
+  -DFUSEDNORM_CUDA=OFF -DFUSEDNORM_BUILD_TOOLS=OFF -DFUSEDNORM_WERROR=ON >/dev/null
+cmake --build build/asan -j"$jobs"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build/asan --output-on-failure -j"$jobs"
+
+echo "== 3. install and find_package from another project"
+rm -rf build/install build/consumer
+cmake --install build/release --prefix build/install >/dev/null
+cmake -S tests/install -B build/consumer -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
+cmake --build build/consumer -j"$jobs" >/dev/null
+build/consumer/consumer
+
+echo "== 4. fusednorm-bench smoke run (results checked against the fp64 reference)"
+build/release/tools/fusednorm-bench --rows 64 --dim 1000 --repeat 3
+
+if [ -f scripts/setup_python.sh ] && [ -d tests/python ]; then
+  echo "== 5. Python package tests"
+  scripts/setup_python.sh
+  .venv/bin/python -m pytest tests/python -q
+fi
