@@ -1,6 +1,9 @@
 #include "cpu/cpu_backend.h"
 
 #include <omp.h>
+#include <unistd.h>
+
+#include <cstdlib>
 
 #include <algorithm>
 #include <cmath>
@@ -54,6 +57,21 @@ class PreparedVector {
   const float* data_ = nullptr;
 };
 
+// Outputs at least this large are written with non-temporal stores. Overridable through
+// FUSEDNORM_STREAM_MIN_BYTES for measurements.
+std::size_t stream_threshold_bytes() {
+  static const std::size_t threshold = [] {
+    if (const char* env = std::getenv("FUSEDNORM_STREAM_MIN_BYTES")) return static_cast<std::size_t>(std::strtoull(env, nullptr, 10));
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return static_cast<std::size_t>(l3 > 0 ? l3 : 32L << 20);
+  }();
+  return threshold;
+}
+
+bool stream_output(std::int64_t rows, std::int64_t cols, DType dtype) {
+  return static_cast<std::size_t>(rows * cols) * dtype_size(dtype) >= stream_threshold_bytes();
+}
+
 float rstd_from_mean_square(float mean_square, float eps) {
   return 1.0f / std::sqrt(mean_square + eps);
 }
@@ -77,6 +95,7 @@ struct ForwardCall {
   PreparedVector weight;
   PreparedVector bias;
   bool centered;
+  bool stream;
 
   ForwardCall(const ForwardProblem& problem)
       : p(problem),
@@ -84,7 +103,8 @@ struct ForwardCall {
         esize(dtype_size(problem.x.dtype)),
         weight(problem.weight, problem.kind == NormKind::kRms ? problem.weight_offset : 0.0f),
         bias(problem.bias, 0.0f),
-        centered(problem.kind == NormKind::kLayer) {}
+        centered(problem.kind == NormKind::kLayer),
+        stream(stream_output(problem.rows(), problem.cols(), problem.x.dtype)) {}
 
   const void* x_row(std::int64_t r) const { return advance(p.x.data, r * p.x.row_stride, esize); }
   void* residual_row(std::int64_t r) const {
@@ -110,7 +130,7 @@ struct ForwardCall {
     return k.sum_squares[1](advance(x_row(r), begin, esize), n, mean);
   }
   void normalize(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd) const {
-    const auto fn = k.normalize[centered][weight.present()][bias.present()];
+    const auto fn = k.normalize[stream][centered][weight.present()][bias.present()];
     fn(advance(source_row(r), begin, esize), weight.present() ? weight.data() + begin : nullptr,
        bias.present() ? bias.data() + begin : nullptr, advance(y_row(r), begin, esize), n, mean,
        rstd);
@@ -213,7 +233,8 @@ struct BackwardCall {
         centered(problem.kind == NormKind::kLayer),
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),
-        apply(k.backward_apply[centered][weight.present()][want_dw][want_db]) {
+        apply(k.backward_apply[stream_output(problem.rows(), problem.cols(), problem.x.dtype)][centered]
+                              [weight.present()][want_dw][want_db]) {
     if (p.dx.data == nullptr) {
       discarded_dx.resize(static_cast<std::size_t>(threads) * p.cols() * esize);
     }

@@ -6,7 +6,9 @@
 // Must come after foreach_target.h.
 #include "hwy/highway.h"
 
+#include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/row_kernels.h"
 
@@ -29,6 +31,7 @@ template <>
 struct ElementIO<float> {
   static VF Load(DF df, const float* p) { return hn::LoadU(df, p); }
   static void Store(DF df, VF v, float* p) { hn::StoreU(v, df, p); }
+  static void Stream(DF df, VF v, float* aligned) { hn::Stream(v, df, aligned); }
   static VF RoundTrip(DF, VF v) { return v; }
 };
 
@@ -39,6 +42,10 @@ struct ElementIO<hwy::float16_t> {
   static void Store(DF, VF v, hwy::float16_t* p) {
     const DH dh;
     hn::StoreU(hn::DemoteTo(dh, v), dh, p);  // hardware conversion rounds to nearest even
+  }
+  static void Stream(DF, VF v, hwy::float16_t* aligned) {
+    const DH dh;
+    hn::Stream(hn::DemoteTo(dh, v), dh, aligned);
   }
   static VF RoundTrip(DF df, VF v) { return hn::PromoteTo(df, hn::DemoteTo(DH(), v)); }
 };
@@ -64,6 +71,7 @@ struct ElementIO<hwy::bfloat16_t> {
     return hn::BitCast(DB(), hn::DemoteTo(du16, hn::BitCast(di, rounded)));
   }
   static void Store(DF df, VF v, hwy::bfloat16_t* p) { hn::StoreU(Demote(df, v), DB(), p); }
+  static void Stream(DF df, VF v, hwy::bfloat16_t* aligned) { hn::Stream(Demote(df, v), DB(), aligned); }
   static VF RoundTrip(DF df, VF v) { return hn::PromoteTo(df, Demote(df, v)); }
 };
 
@@ -90,6 +98,58 @@ class Tail {
 
 // The tail of an fp32 buffer (weights, accumulators): same staging, fixed type.
 using FloatTail = Tail<float>;
+
+using Full = std::true_type;     // a whole vector of elements
+using Partial = std::false_type;  // fewer elements than lanes: staged through a Tail
+
+// Loads `count` elements at p as fp32: directly for a whole vector, staged otherwise.
+template <typename T, class IsFull>
+VF LoadElements(IsFull, DF df, const T* p, size_t count) {
+  if constexpr (IsFull::value) {
+    return ElementIO<T>::Load(df, p);
+  } else {
+    return Tail<T>(p, count).Load(df);
+  }
+}
+
+template <class IsFull>
+void StoreFloats(IsFull, DF df, VF v, float* p, size_t count) {
+  if constexpr (IsFull::value) {
+    hn::StoreU(v, df, p);
+  } else {
+    FloatTail(nullptr, count).Store(df, v, p);
+  }
+}
+
+// Writes n output elements, one vector at a time: out[i, i + count) = make(full, i, count).
+// kStream: outputs too large for the caches go out with non-temporal stores, which skip
+// reading each line before overwriting it (as memcpy does); the first elements go through
+// the staging path until `out` reaches vector alignment.
+template <typename T, bool kStream, class MakeFn>
+void WriteRow(DF df, T* out, int64_t n, MakeFn make) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  if constexpr (kStream) {
+    const auto address = reinterpret_cast<uintptr_t>(out);
+    const uintptr_t vector_bytes = static_cast<uintptr_t>(N) * sizeof(T);
+    if (address % sizeof(T) == 0) {
+      const int64_t head = std::min<int64_t>(
+          n, static_cast<int64_t>((vector_bytes - address % vector_bytes) % vector_bytes / sizeof(T)));
+      if (head > 0) Tail<T>(nullptr, static_cast<size_t>(head)).Store(df, make(Partial(), 0, static_cast<size_t>(head)), out);
+      for (i = head; i + N <= n; i += N) ElementIO<T>::Stream(df, make(Full(), i, N), out + i);
+    }
+  }
+  for (; i + N <= n; i += N) ElementIO<T>::Store(df, make(Full(), i, N), out + i);
+  if (i < n) {
+    const size_t rest = static_cast<size_t>(n - i);
+    Tail<T>(nullptr, rest).Store(df, make(Partial(), i, rest), out + i);
+  }
+  if constexpr (kStream) {
+#if HWY_ARCH_X86
+    _mm_sfence();  // make the streamed lines visible before another thread reads them
+#endif
+  }
+}
 
 template <typename T>
 float Sum(const void* x_ptr, int64_t n) {
@@ -161,34 +221,21 @@ float AddResidual(const void* x_ptr, void* residual_ptr, int64_t n) {
   return hn::GetLane(hn::SumOfLanes(df, acc));
 }
 
-template <typename T, bool kCentered, bool kWeight, bool kBias>
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kBias>
 void Normalize(const void* x_ptr, const float* w, const float* b, void* y_ptr, int64_t n,
                float mean, float rstd) {
   const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const T* x = static_cast<const T*>(x_ptr);
-  T* y = static_cast<T*>(y_ptr);
   const VF vmean = hn::Set(df, mean);
   const VF vrstd = hn::Set(df, rstd);
-  auto apply = [&](VF v, VF wv, VF bv) {
-    VF out = hn::Mul(kCentered ? hn::Sub(v, vmean) : v, vrstd);
-    if (kWeight) out = hn::Mul(out, wv);
-    if (kBias) out = hn::Add(out, bv);
+  WriteRow<T, kStream>(df, static_cast<T*>(y_ptr), n, [&](auto full, int64_t i, size_t count) {
+    VF out = LoadElements(full, df, x + i, count);
+    if (kCentered) out = hn::Sub(out, vmean);
+    out = hn::Mul(out, vrstd);
+    if (kWeight) out = hn::Mul(out, LoadElements(full, df, w + i, count));
+    if (kBias) out = hn::Add(out, LoadElements(full, df, b + i, count));
     return out;
-  };
-  int64_t i = 0;
-  for (; i + N <= n; i += N) {
-    const VF wv = kWeight ? hn::LoadU(df, w + i) : hn::Zero(df);
-    const VF bv = kBias ? hn::LoadU(df, b + i) : hn::Zero(df);
-    ElementIO<T>::Store(df, apply(ElementIO<T>::Load(df, x + i), wv, bv), y + i);
-  }
-  if (i < n) {
-    const size_t rest = static_cast<size_t>(n - i);
-    const VF wv = kWeight ? FloatTail(w + i, rest).Load(df) : hn::Zero(df);
-    const VF bv = kBias ? FloatTail(b + i, rest).Load(df) : hn::Zero(df);
-    Tail<T> y_tail(nullptr, rest);
-    y_tail.Store(df, apply(Tail<T>(x + i, rest).Load(df), wv, bv), y + i);
-  }
+  });
 }
 
 template <typename T, bool kCentered, bool kWeight>
@@ -222,53 +269,58 @@ void BackwardDots(const void* dy_ptr, const void* x_ptr, const float* w, int64_t
   *sum_g = kCentered ? hn::GetLane(hn::SumOfLanes(df, acc_g)) : 0.0f;
 }
 
-template <typename T, bool kCentered, bool kWeight, bool kDw, bool kDb>
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb>
 void BackwardApply(const void* dy_ptr, const void* x_ptr, const float* w, void* dx_ptr,
                    float* dw_acc, float* db_acc, int64_t n, float mean, float rstd,
                    float mean_g, float mean_g_xhat) {
   const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const T* dy = static_cast<const T*>(dy_ptr);
   const T* x = static_cast<const T*>(x_ptr);
-  T* dx = static_cast<T*>(dx_ptr);
   const VF vmean = hn::Set(df, mean);
   const VF vrstd = hn::Set(df, rstd);
   const VF vmean_g = hn::Set(df, mean_g);
   const VF vmean_g_xhat = hn::Set(df, mean_g_xhat);
-  // Returns dx; updates the accumulators in place.
-  auto step = [&](VF dyv, VF xv, VF wv, VF& dw_v, VF& db_v) {
-    const VF g = kWeight ? hn::Mul(dyv, wv) : dyv;
+  WriteRow<T, kStream>(df, static_cast<T*>(dx_ptr), n, [&](auto full, int64_t i, size_t count) {
+    const VF dyv = LoadElements(full, df, dy + i, count);
+    const VF xv = LoadElements(full, df, x + i, count);
+    const VF g = kWeight ? hn::Mul(dyv, LoadElements(full, df, w + i, count)) : dyv;
     const VF xhat = hn::Mul(kCentered ? hn::Sub(xv, vmean) : xv, vrstd);
-    if (kDw) dw_v = hn::MulAdd(dyv, xhat, dw_v);
-    if (kDb) db_v = hn::Add(db_v, dyv);
+    if (kDw) {
+      StoreFloats(full, df, hn::MulAdd(dyv, xhat, LoadElements(full, df, dw_acc + i, count)), dw_acc + i, count);
+    }
+    if (kDb) {
+      StoreFloats(full, df, hn::Add(dyv, LoadElements(full, df, db_acc + i, count)), db_acc + i, count);
+    }
     const VF centered_g = kCentered ? hn::Sub(g, vmean_g) : g;
     return hn::Mul(vrstd, hn::NegMulAdd(xhat, vmean_g_xhat, centered_g));
-  };
-  int64_t i = 0;
-  for (; i + N <= n; i += N) {
-    VF dw_v = kDw ? hn::LoadU(df, dw_acc + i) : hn::Zero(df);
-    VF db_v = kDb ? hn::LoadU(df, db_acc + i) : hn::Zero(df);
-    const VF dxv = step(ElementIO<T>::Load(df, dy + i), ElementIO<T>::Load(df, x + i),
-                        kWeight ? hn::LoadU(df, w + i) : hn::Zero(df), dw_v, db_v);
-    ElementIO<T>::Store(df, dxv, dx + i);
-    if (kDw) hn::StoreU(dw_v, df, dw_acc + i);
-    if (kDb) hn::StoreU(db_v, df, db_acc + i);
-  }
-  if (i < n) {
-    const size_t rest = static_cast<size_t>(n - i);
-    FloatTail dw_tail(kDw ? dw_acc + i : nullptr, rest);
-    FloatTail db_tail(kDb ? db_acc + i : nullptr, rest);
-    VF dw_v = dw_tail.Load(df);
-    VF db_v = db_tail.Load(df);
-    const VF dxv = step(Tail<T>(dy + i, rest).Load(df), Tail<T>(x + i, rest).Load(df),
-                        kWeight ? FloatTail(w + i, rest).Load(df) : hn::Zero(df), dw_v, db_v);
-    Tail<T>(nullptr, rest).Store(df, dxv, dx + i);
-    if (kDw) dw_tail.Store(df, dw_v, dw_acc + i);
-    if (kDb) db_tail.Store(df, db_v, db_acc + i);
-  }
+  });
 }
 
 // ---- Table construction ----------------------------------------------------------------
+
+template <typename T, bool kStream>
+void FillWriters(DTypeKernels* k) {
+  auto& normalize = k->normalize[kStream];
+  normalize[0][0][0] = &Normalize<T, kStream, false, false, false>;
+  normalize[0][0][1] = &Normalize<T, kStream, false, false, true>;
+  normalize[0][1][0] = &Normalize<T, kStream, false, true, false>;
+  normalize[0][1][1] = &Normalize<T, kStream, false, true, true>;
+  normalize[1][0][0] = &Normalize<T, kStream, true, false, false>;
+  normalize[1][0][1] = &Normalize<T, kStream, true, false, true>;
+  normalize[1][1][0] = &Normalize<T, kStream, true, true, false>;
+  normalize[1][1][1] = &Normalize<T, kStream, true, true, true>;
+  // RMSNorm has no bias, so [0][*][*][1] stays null.
+  auto& apply = k->backward_apply[kStream];
+  apply[0][0][0][0] = &BackwardApply<T, kStream, false, false, false, false>;
+  apply[0][1][0][0] = &BackwardApply<T, kStream, false, true, false, false>;
+  apply[0][1][1][0] = &BackwardApply<T, kStream, false, true, true, false>;
+  apply[1][0][0][0] = &BackwardApply<T, kStream, true, false, false, false>;
+  apply[1][0][0][1] = &BackwardApply<T, kStream, true, false, false, true>;
+  apply[1][1][0][0] = &BackwardApply<T, kStream, true, true, false, false>;
+  apply[1][1][0][1] = &BackwardApply<T, kStream, true, true, false, true>;
+  apply[1][1][1][0] = &BackwardApply<T, kStream, true, true, true, false>;
+  apply[1][1][1][1] = &BackwardApply<T, kStream, true, true, true, true>;
+}
 
 template <typename T>
 void FillDType(DTypeKernels* k) {
@@ -276,28 +328,12 @@ void FillDType(DTypeKernels* k) {
   k->sum_squares[0] = &SumSquares<T, false>;
   k->sum_squares[1] = &SumSquares<T, true>;
   k->add_residual = &AddResidual<T>;
-  k->normalize[0][0][0] = &Normalize<T, false, false, false>;
-  k->normalize[0][0][1] = &Normalize<T, false, false, true>;
-  k->normalize[0][1][0] = &Normalize<T, false, true, false>;
-  k->normalize[0][1][1] = &Normalize<T, false, true, true>;
-  k->normalize[1][0][0] = &Normalize<T, true, false, false>;
-  k->normalize[1][0][1] = &Normalize<T, true, false, true>;
-  k->normalize[1][1][0] = &Normalize<T, true, true, false>;
-  k->normalize[1][1][1] = &Normalize<T, true, true, true>;
   k->backward_dots[0][0] = &BackwardDots<T, false, false>;
   k->backward_dots[0][1] = &BackwardDots<T, false, true>;
   k->backward_dots[1][0] = &BackwardDots<T, true, false>;
   k->backward_dots[1][1] = &BackwardDots<T, true, true>;
-  // RMSNorm has no bias, so [0][*][*][1] stays null.
-  k->backward_apply[0][0][0][0] = &BackwardApply<T, false, false, false, false>;
-  k->backward_apply[0][1][0][0] = &BackwardApply<T, false, true, false, false>;
-  k->backward_apply[0][1][1][0] = &BackwardApply<T, false, true, true, false>;
-  k->backward_apply[1][0][0][0] = &BackwardApply<T, true, false, false, false>;
-  k->backward_apply[1][0][0][1] = &BackwardApply<T, true, false, false, true>;
-  k->backward_apply[1][1][0][0] = &BackwardApply<T, true, true, false, false>;
-  k->backward_apply[1][1][0][1] = &BackwardApply<T, true, true, false, true>;
-  k->backward_apply[1][1][1][0] = &BackwardApply<T, true, true, true, false>;
-  k->backward_apply[1][1][1][1] = &BackwardApply<T, true, true, true, true>;
+  FillWriters<T, false>(k);
+  FillWriters<T, true>(k);
 }
 
 void FillRowKernels(RowKernels* kernels) {

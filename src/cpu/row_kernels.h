@@ -3,6 +3,9 @@
 // table of the best target this CPU supports. Each function works on n consecutive
 // elements of one row; the caller (cpu_backend.cpp) owns rows, chunks and threads.
 //
+// Writers come in two flavours: [0] ordinary stores, [1] non-temporal (streaming) stores
+// for outputs too large to stay in the caches.
+//
 // Weights and biases reach these kernels already converted to fp32 (weight_offset folded
 // in), so the element type T of x / y / dy / dx is the only dtype dimension.
 #pragma once
@@ -36,9 +39,9 @@ struct DTypeKernels {
   SumFn sum;
   SumSquaresFn sum_squares[2];                    // [centered]
   AddResidualFn add_residual;
-  NormalizeFn normalize[2][2][2];                 // [centered][weight][bias]
+  NormalizeFn normalize[2][2][2][2];              // [stream][centered][weight][bias]
   BackwardDotsFn backward_dots[2][2];             // [centered][weight]
-  BackwardApplyFn backward_apply[2][2][2][2];     // [centered][weight][dw][db]
+  BackwardApplyFn backward_apply[2][2][2][2][2];  // [stream][centered][weight][dw][db]
 };
 
 struct RowKernels {
