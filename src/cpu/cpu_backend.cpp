@@ -23,7 +23,7 @@ using detail::NormKind;
 // Below this many bytes per thread, waking another thread costs more than it saves.
 constexpr std::size_t kMinBytesPerThread = 256 * 1024;
 constexpr std::int64_t kMaxRowBlocks = 64;
-constexpr std::int64_t kMinRowsPerBlock = 4;
+constexpr std::int64_t kMinRowsPerBlock = 16;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
@@ -288,21 +288,32 @@ struct BackwardCall {
   }
 };
 
+// dst[offset, offset + n) = values, rounded once to dst's dtype.
+void store_floats(const float* values, std::int64_t n, Vector dst, std::int64_t offset) {
+  for (std::int64_t j = 0; j < n; ++j) detail::store_from_float(dst.data, dst.dtype, offset + j, values[j]);
+}
+
 // Per-row coefficients of dx.
 struct RowCoefficients {
   float mean, rstd, mean_g, mean_g_xhat;
 };
 
 // dst (in the gradient's dtype) = sum over blocks of partials, added in block order.
+// Walks each column chunk block by block, so every pass is a contiguous, vectorizable run.
 void finish_column_sums(const float* partials, std::int64_t blocks, std::int64_t cols,
                         Vector dst, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
-    const std::int64_t end = std::min(cols, begin + kReduceChunk);
-    for (std::int64_t j = begin; j < end; ++j) {
-      float total = 0.0f;
-      for (std::int64_t b = 0; b < blocks; ++b) total += partials[b * cols + j];
-      detail::store_from_float(dst.data, dst.dtype, j, total);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> total(static_cast<std::size_t>(std::min(cols, kReduceChunk)));
+#pragma omp for schedule(static)
+    for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
+      const std::int64_t n = std::min(cols - begin, kReduceChunk);
+      std::fill(total.begin(), total.begin() + n, 0.0f);
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        const float* partial = partials + b * cols + begin;
+        for (std::int64_t j = 0; j < n; ++j) total[j] += partial[j];
+      }
+      store_floats(total.data(), n, dst, begin);
     }
   }
 }
@@ -382,10 +393,8 @@ void backward_split_rows(BackwardCall& call, int threads) {
         for (std::int64_t j = 0; j < static_cast<std::int64_t>(total_dw.size()); ++j) total_dw[j] += block_dw[j];
         for (std::int64_t j = 0; j < static_cast<std::int64_t>(total_db.size()); ++j) total_db[j] += block_db[j];
       }
-      for (std::int64_t j = 0; j < n; ++j) {
-        if (call.want_dw) detail::store_from_float(call.p.dw.data, call.p.dw.dtype, begin + j, total_dw[j]);
-        if (call.want_db) detail::store_from_float(call.p.db.data, call.p.db.dtype, begin + j, total_db[j]);
-      }
+      if (call.want_dw) store_floats(total_dw.data(), n, call.p.dw, begin);
+      if (call.want_db) store_floats(total_db.data(), n, call.p.db, begin);
     }
   }
 }

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "core/scalar_convert.h"
 #include "cpu/row_kernels.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -35,19 +36,60 @@ struct ElementIO<float> {
   static VF RoundTrip(DF, VF v) { return v; }
 };
 
+// Non-temporal store of a half-width (demoted) vector. Highway 1.0's x86 Stream writes a
+// whole 128-bit register with 16-byte alignment even for a 64-bit vector (half-precision
+// rows on SSSE3 / SSE4): 8 bytes past the elements. Narrow vectors take an ordinary store.
+template <class D>
+void StreamDemoted(D d, hn::Vec<D> v, hn::TFromD<D>* aligned) {
+  if constexpr (hn::MaxLanes(D()) * sizeof(hn::TFromD<D>) >= 16) {
+    hn::Stream(v, d, aligned);
+  } else {
+    hn::StoreU(v, d, aligned);
+  }
+}
+
 template <>
 struct ElementIO<hwy::float16_t> {
   using DH = hn::Rebind<hwy::float16_t, DF>;
+#if HWY_TARGET == HWY_SSSE3 || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_SCALAR || \
+    HWY_TARGET == HWY_EMU128
+  // Without F16C, Highway 1.0 converts fp16 in software, truncating instead of rounding
+  // and turning Inf / NaN into finite numbers. These targets use the library's scalar
+  // conversions (scalar_convert.h) through a one-vector buffer instead.
+  static VF Load(DF df, const hwy::float16_t* p) {
+    HWY_ALIGN float f[HWY_MAX_BYTES / sizeof(float)];
+    for (size_t i = 0; i < hn::Lanes(df); ++i) {
+      std::uint16_t bits;
+      std::memcpy(&bits, p + i, sizeof bits);
+      f[i] = detail::fp16_to_float(bits);
+    }
+    return hn::Load(df, f);
+  }
+  static void Store(DF df, VF v, hwy::float16_t* p) {
+    HWY_ALIGN float f[HWY_MAX_BYTES / sizeof(float)];
+    hn::Store(v, df, f);
+    for (size_t i = 0; i < hn::Lanes(df); ++i) {
+      const std::uint16_t bits = detail::float_to_fp16(f[i]);
+      std::memcpy(p + i, &bits, sizeof bits);
+    }
+  }
+  static void Stream(DF df, VF v, hwy::float16_t* aligned) { Store(df, v, aligned); }
+  static VF RoundTrip(DF df, VF v) {
+    HWY_ALIGN hwy::float16_t h[HWY_MAX_BYTES / sizeof(float)];
+    Store(df, v, h);
+    return Load(df, h);
+  }
+#else
   static VF Load(DF df, const hwy::float16_t* p) { return hn::PromoteTo(df, hn::LoadU(DH(), p)); }
   static void Store(DF, VF v, hwy::float16_t* p) {
     const DH dh;
     hn::StoreU(hn::DemoteTo(dh, v), dh, p);  // hardware conversion rounds to nearest even
   }
   static void Stream(DF, VF v, hwy::float16_t* aligned) {
-    const DH dh;
-    hn::Stream(hn::DemoteTo(dh, v), dh, aligned);
+    StreamDemoted(DH(), hn::DemoteTo(DH(), v), aligned);
   }
   static VF RoundTrip(DF df, VF v) { return hn::PromoteTo(df, hn::DemoteTo(DH(), v)); }
+#endif
 };
 
 template <>
@@ -71,7 +113,9 @@ struct ElementIO<hwy::bfloat16_t> {
     return hn::BitCast(DB(), hn::DemoteTo(du16, hn::BitCast(di, rounded)));
   }
   static void Store(DF df, VF v, hwy::bfloat16_t* p) { hn::StoreU(Demote(df, v), DB(), p); }
-  static void Stream(DF df, VF v, hwy::bfloat16_t* aligned) { hn::Stream(Demote(df, v), DB(), aligned); }
+  static void Stream(DF df, VF v, hwy::bfloat16_t* aligned) {
+    StreamDemoted(DB(), Demote(df, v), aligned);
+  }
   static VF RoundTrip(DF df, VF v) { return hn::PromoteTo(df, Demote(df, v)); }
 };
 
