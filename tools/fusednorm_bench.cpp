@@ -75,7 +75,9 @@ std::int64_t parse_int(const char* flag, const char* text, std::int64_t min) {
   char* end = nullptr;
   const long long v = std::strtoll(text, &end, 10);
   if (end == text || *end != '\0' || v < min) {
-    usage((std::string(flag) + " needs an integer >= " + std::to_string(min) + ", got '" + text + "'").c_str());
+    usage(
+        (std::string(flag) + " needs an integer >= " + std::to_string(min) + ", got '" + text + "'")
+            .c_str());
   }
   return v;
 }
@@ -103,16 +105,21 @@ Options parse(int argc, char** argv) {
       o.repeat = static_cast<int>(parse_int("--repeat", value, 1));
     } else if (arg == "--dtype") {
       const std::string t = value;
-      if (t == "float16" || t == "fp16") o.dtype = DType::kFloat16;
-      else if (t == "bfloat16" || t == "bf16") o.dtype = DType::kBFloat16;
-      else if (t == "float32" || t == "fp32") o.dtype = DType::kFloat32;
-      else usage(("unknown --dtype '" + t + "'").c_str());
+      if (t == "float16" || t == "fp16")
+        o.dtype = DType::kFloat16;
+      else if (t == "bfloat16" || t == "bf16")
+        o.dtype = DType::kBFloat16;
+      else if (t == "float32" || t == "fp32")
+        o.dtype = DType::kFloat32;
+      else
+        usage(("unknown --dtype '" + t + "'").c_str());
     } else {
       usage(("unknown option '" + arg + "'").c_str());
     }
   }
-  const char* ops[] = {"all", "rms_norm", "fused_add_rms_norm", "rms_norm_backward", "layer_norm",
-                       "layer_norm_backward"};
+  const char* ops[] = {
+      "all",        "rms_norm",           "fused_add_rms_norm", "rms_norm_backward",
+      "layer_norm", "layer_norm_backward"};
   if (std::none_of(std::begin(ops), std::end(ops), [&](const char* op) { return o.op == op; })) {
     usage(("unknown --op '" + o.op + "'").c_str());
   }
@@ -129,7 +136,8 @@ struct Tensor {
       : bytes(static_cast<std::size_t>(r * c) * dtype_size(t)), dtype(t), rows(r), cols(c) {}
   void fill_uniform(std::mt19937_64& rng, float lo, float hi) {
     std::uniform_real_distribution<float> dist(lo, hi);
-    for (std::int64_t i = 0; i < rows * cols; ++i) detail::store_from_float(bytes.data(), dtype, i, dist(rng));
+    for (std::int64_t i = 0; i < rows * cols; ++i)
+      detail::store_from_float(bytes.data(), dtype, i, dist(rng));
   }
   Matrix view() { return matrix(bytes.data(), dtype, rows, cols); }
   ConstVector vec() const { return {bytes.data(), dtype, cols}; }
@@ -150,7 +158,8 @@ struct ErrorStats {
 ErrorStats compare(const Tensor& got, const std::vector<double>& want) {
   ErrorStats s;
   for (std::size_t i = 0; i < want.size(); ++i) {
-    s.max_abs_err = std::max(s.max_abs_err, std::fabs(got.at(static_cast<std::int64_t>(i)) - want[i]));
+    s.max_abs_err =
+        std::max(s.max_abs_err, std::fabs(got.at(static_cast<std::int64_t>(i)) - want[i]));
     s.max_abs_ref = std::max(s.max_abs_ref, std::fabs(want[i]));
   }
   return s;
@@ -160,7 +169,8 @@ ErrorStats compare(const Tensor& got, const std::vector<double>& want) {
 // largest magnitude (the single rounding at the store) plus fp32 arithmetic.
 double error_limit(DType dtype, double max_abs_ref, double fp32_slack) {
   const int mantissa_bits = dtype == DType::kFloat32 ? 23 : dtype == DType::kFloat16 ? 10 : 7;
-  const double ulp = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(std::max(max_abs_ref, 1e-30)))) - mantissa_bits);
+  const double ulp = std::ldexp(
+      1.0, static_cast<int>(std::floor(std::log2(std::max(max_abs_ref, 1e-30)))) - mantissa_bits);
   return 0.5 * ulp + fp32_slack * max_abs_ref;
 }
 
@@ -180,7 +190,9 @@ class MemcpyProbe {
     }
     return std::chrono::duration<double>(Clock::now() - start).count();
   }
-  double gbps(double seconds) const { return 2.0 * static_cast<double>(src_.size()) / seconds / 1e9; }
+  double gbps(double seconds) const {
+    return 2.0 * static_cast<double>(src_.size()) / seconds / 1e9;
+  }
 
  private:
   std::vector<unsigned char> src_, dst_;
@@ -188,16 +200,19 @@ class MemcpyProbe {
 };
 
 struct Result {
-  Result(std::string op_name, std::string impl_name) : op(std::move(op_name)), impl(std::move(impl_name)) {}
+  Result(std::string op_name, std::string impl_name)
+      : op(std::move(op_name)), impl(std::move(impl_name)) {}
   std::string op, impl;
-  double median_us = 0, gbps = 0, pct_of_memcpy = 0, memcpy_gbps = 0, max_abs_err = 0, error_limit = 0;
+  double median_us = 0, gbps = 0, pct_of_memcpy = 0, memcpy_gbps = 0, max_abs_err = 0,
+         error_limit = 0;
   std::size_t extra_bytes = 0;
   std::string note;
 };
 
 class Bench {
  public:
-  explicit Bench(const Options& o) : o_(o), threads_(o.threads > 0 ? o.threads : omp_get_num_procs()) {
+  explicit Bench(const Options& o)
+      : o_(o), threads_(o.threads > 0 ? o.threads : omp_get_num_procs()) {
     ctx_.num_threads = threads_;
     std::mt19937_64 rng(20261130);
     const std::int64_t r = o.rows, d = o.dim;
@@ -244,7 +259,9 @@ class Bench {
   }
 
  private:
-  std::size_t weight_bytes() const { return static_cast<std::size_t>(o_.dim) * dtype_size(o_.dtype); }
+  std::size_t weight_bytes() const {
+    return static_cast<std::size_t>(o_.dim) * dtype_size(o_.dtype);
+  }
 
   // Time fn (median of o_.repeat runs after a warm-up, each run next to a memcpy of x's
   // size) and record the bytes it allocates.
@@ -281,8 +298,10 @@ class Bench {
     const ConstVector w = weight_[0].vec();
     Result r("rms_norm", fused ? "fused" : "stepwise");
     auto fn = [&] {
-      if (fused) rms_norm(ctx_, x, w, y.view(), nullptr, {});
-      else bench::stepwise_rms_norm(x, w, y.view(), RmsNormOptions{}.eps, threads_);
+      if (fused)
+        rms_norm(ctx_, x, w, y.view(), nullptr, {});
+      else
+        bench::stepwise_rms_norm(x, w, y.view(), RmsNormOptions{}.eps, threads_);
     };
     fn();
     check(r, y, reference::rms_norm(x, w).y, 1e-5);
@@ -293,7 +312,9 @@ class Bench {
     Tensor y(o_.dtype, o_.rows, o_.dim);
     const ConstMatrix x = x_[0].view();
     Result r("layer_norm", "fused");
-    auto fn = [&] { layer_norm(ctx_, x, weight_[0].vec(), bias_[0].vec(), y.view(), nullptr, nullptr); };
+    auto fn = [&] {
+      layer_norm(ctx_, x, weight_[0].vec(), bias_[0].vec(), y.view(), nullptr, nullptr);
+    };
     fn();
     check(r, y, reference::layer_norm(x, weight_[0].vec(), bias_[0].vec()).y, 1e-5);
     measure(r, 2 * element_bytes_ + 2.0 * static_cast<double>(weight_bytes()), fn);
@@ -305,7 +326,9 @@ class Bench {
     const ConstMatrix x = x_[0].view();
     Result r("fused_add_rms_norm", "fused");
     const auto want = reference::fused_add_rms_norm(x, residual.view(), weight_[0].vec());
-    auto fn = [&] { fused_add_rms_norm(ctx_, x, residual.view(), weight_[0].vec(), y.view(), nullptr); };
+    auto fn = [&] {
+      fused_add_rms_norm(ctx_, x, residual.view(), weight_[0].vec(), y.view(), nullptr);
+    };
     fn();
     check(r, y, want.y, 1e-5);
     const ErrorStats residual_err = compare(residual, want.residual);
@@ -320,17 +343,24 @@ class Bench {
     const ConstMatrix x = x_[0].view(), dy = dy_[0].view();
     const ConstVector w = weight_[0].vec();
     std::vector<float> rstd(static_cast<std::size_t>(o_.rows));
-    rms_norm(ctx_, x, w, matrix(dx.bytes.data(), o_.dtype, o_.rows, o_.dim), rstd.data());  // dx: scratch
+    rms_norm(ctx_, x, w, matrix(dx.bytes.data(), o_.dtype, o_.rows, o_.dim),
+             rstd.data());  // dx: scratch
     Result r("rms_norm_backward", fused ? "fused" : "stepwise");
     auto fn = [&] {
-      if (fused) rms_norm_backward(ctx_, dy, x, w, rstd.data(), dx.view(), dw.mut_vec());
-      else bench::stepwise_rms_norm_backward(dy, x, w, dx.view(), dw.mut_vec(), RmsNormOptions{}.eps, threads_);
+      if (fused)
+        rms_norm_backward(ctx_, dy, x, w, rstd.data(), dx.view(), dw.mut_vec());
+      else
+        bench::stepwise_rms_norm_backward(dy, x, w, dx.view(), dw.mut_vec(), RmsNormOptions{}.eps,
+                                          threads_);
     };
     fn();
     const auto want = reference::rms_norm_backward(dy, x, w);
     check(r, dx, want.dx, 1e-5);
     check_gradient_vector(r, dw, want.dw);
-    measure(r, 3 * element_bytes_ + 2.0 * static_cast<double>(weight_bytes()) + 4.0 * static_cast<double>(o_.rows), fn);
+    measure(r,
+            3 * element_bytes_ + 2.0 * static_cast<double>(weight_bytes()) +
+                4.0 * static_cast<double>(o_.rows),
+            fn);
   }
 
   void layer_backward() {
@@ -341,19 +371,26 @@ class Bench {
     std::vector<float> mean(static_cast<std::size_t>(o_.rows)), rstd(mean.size());
     layer_norm(ctx_, x, w, bias_[0].vec(), dx.view(), mean.data(), rstd.data());
     Result r("layer_norm_backward", "fused");
-    auto fn = [&] { layer_norm_backward(ctx_, dy, x, w, mean.data(), rstd.data(), dx.view(), dw.mut_vec(), db.mut_vec()); };
+    auto fn = [&] {
+      layer_norm_backward(ctx_, dy, x, w, mean.data(), rstd.data(), dx.view(), dw.mut_vec(),
+                          db.mut_vec());
+    };
     fn();
     const auto want = reference::layer_norm_backward(dy, x, w, true);
     check(r, dx, want.dx, 1e-5);
     check_gradient_vector(r, dw, want.dw);
-    measure(r, 3 * element_bytes_ + 3.0 * static_cast<double>(weight_bytes()) + 8.0 * static_cast<double>(o_.rows), fn);
+    measure(r,
+            3 * element_bytes_ + 3.0 * static_cast<double>(weight_bytes()) +
+                8.0 * static_cast<double>(o_.rows),
+            fn);
   }
 
   // dw sums over all rows, so its error grows with the row count: judge it relative to its
   // largest element and the number of fp32 additions behind it.
   void check_gradient_vector(Result& r, const Tensor& got, const std::vector<double>& want) {
     const ErrorStats e = compare(got, want);
-    const double limit = error_limit(o_.dtype, e.max_abs_ref, 1e-6 * std::sqrt(static_cast<double>(o_.rows)) + 1e-5);
+    const double limit =
+        error_limit(o_.dtype, e.max_abs_ref, 1e-6 * std::sqrt(static_cast<double>(o_.rows)) + 1e-5);
     if (e.max_abs_err > limit) {
       r.note = "dw error " + std::to_string(e.max_abs_err) + " over limit " + std::to_string(limit);
     }
@@ -368,7 +405,8 @@ class Bench {
   std::vector<Result> results_;
 };
 
-const Result* find(const std::vector<Result>& results, const std::string& op, const std::string& impl) {
+const Result* find(const std::vector<Result>& results, const std::string& op,
+                   const std::string& impl) {
   for (const auto& r : results) {
     if (r.op == op && r.impl == impl) return &r;
   }
@@ -400,35 +438,44 @@ int main(int argc, char** argv) {
           "\"threads\": %d, \"median_us\": %.3f, \"gbps\": %.3f, \"pct_of_memcpy\": %.1f, "
           "\"max_abs_err\": %.3g, \"extra_bytes\": %zu, \"memcpy_gbps\": %.3f}\n",
           r.op.c_str(), r.impl.c_str(), dtype_name(o.dtype), static_cast<long long>(o.rows),
-          static_cast<long long>(o.dim), threads, r.median_us, r.gbps, r.pct_of_memcpy, r.max_abs_err,
-          r.extra_bytes, r.memcpy_gbps);
+          static_cast<long long>(o.dim), threads, r.median_us, r.gbps, r.pct_of_memcpy,
+          r.max_abs_err, r.extra_bytes, r.memcpy_gbps);
     }
     return ok ? 0 : 1;
   }
 
   std::printf("fusednorm-bench: %lld x %lld %s, %d thread%s, CPU SIMD target %s\n",
-              static_cast<long long>(o.rows), static_cast<long long>(o.dim), dtype_name(o.dtype), threads,
-              threads == 1 ? "" : "s", cpu::row_kernels().target_name);
-  std::printf("GB/s counts the bytes that must move (each input read once, each output written once);\n"
-              "memcpy: x's size copied with the same threads, timed between the runs of each case.\n\n");
-  std::printf("| op                  | impl     | median µs |   GB/s | memcpy GB/s | %% of memcpy | extra bytes | max abs err (limit)    |\n");
-  std::printf("|---------------------|----------|-----------|--------|-------------|-------------|-------------|------------------------|\n");
+              static_cast<long long>(o.rows), static_cast<long long>(o.dim), dtype_name(o.dtype),
+              threads, threads == 1 ? "" : "s", cpu::row_kernels().target_name);
+  std::printf(
+      "GB/s counts the bytes that must move (each input read once, each output written once);\n"
+      "memcpy: x's size copied with the same threads, timed between the runs of each case.\n\n");
+  std::printf(
+      "| op                  | impl     | median µs |   GB/s | memcpy GB/s | %% of memcpy | extra "
+      "bytes | max abs err (limit)    |\n");
+  std::printf(
+      "|---------------------|----------|-----------|--------|-------------|-------------|---------"
+      "----|------------------------|\n");
   for (const auto& r : results) {
-    std::printf("| %-19s | %-8s | %9.1f | %6.1f | %11.1f | %10.1f%% | %11zu | %.2e (%.1e) %-4s |\n", r.op.c_str(),
-                r.impl.c_str(), r.median_us, r.gbps, r.memcpy_gbps, r.pct_of_memcpy, r.extra_bytes,
-                r.max_abs_err, r.error_limit, r.max_abs_err <= r.error_limit ? "ok" : "FAIL");
+    std::printf("| %-19s | %-8s | %9.1f | %6.1f | %11.1f | %10.1f%% | %11zu | %.2e (%.1e) %-4s |\n",
+                r.op.c_str(), r.impl.c_str(), r.median_us, r.gbps, r.memcpy_gbps, r.pct_of_memcpy,
+                r.extra_bytes, r.max_abs_err, r.error_limit,
+                r.max_abs_err <= r.error_limit ? "ok" : "FAIL");
   }
   for (const auto& r : results) {
-    if (!r.note.empty()) std::printf("note: %s %s: %s\n", r.op.c_str(), r.impl.c_str(), r.note.c_str());
+    if (!r.note.empty())
+      std::printf("note: %s %s: %s\n", r.op.c_str(), r.impl.c_str(), r.note.c_str());
   }
   std::printf("\n");
   auto ratio = [&](const char* label, const Result* slow, const Result* fast) {
     if (slow && fast) std::printf("%-44s %.2fx\n", label, slow->median_us / fast->median_us);
   };
-  ratio("fused vs stepwise RMSNorm, forward:", find(results, "rms_norm", "stepwise"), find(results, "rms_norm", "fused"));
+  ratio("fused vs stepwise RMSNorm, forward:", find(results, "rms_norm", "stepwise"),
+        find(results, "rms_norm", "fused"));
   ratio("fused vs stepwise RMSNorm, backward:", find(results, "rms_norm_backward", "stepwise"),
         find(results, "rms_norm_backward", "fused"));
-  ratio("RMSNorm vs LayerNorm (fused), forward:", find(results, "layer_norm", "fused"), find(results, "rms_norm", "fused"));
+  ratio("RMSNorm vs LayerNorm (fused), forward:", find(results, "layer_norm", "fused"),
+        find(results, "rms_norm", "fused"));
   ratio("RMSNorm vs LayerNorm (fused), backward:", find(results, "layer_norm_backward", "fused"),
         find(results, "rms_norm_backward", "fused"));
   std::printf("\nresult check against the fp64 reference: %s\n", ok ? "ok" : "FAILED");

@@ -26,7 +26,8 @@ Buffer upcast(ConstMatrix m, int threads) {
 
 Buffer weight_as_float(ConstVector w, std::int64_t cols) {
   Buffer out(static_cast<size_t>(cols), 1.0f);
-  for (std::int64_t j = 0; w.data != nullptr && j < cols; ++j) out[j] = load_as_float(w.data, w.dtype, j);
+  for (std::int64_t j = 0; w.data != nullptr && j < cols; ++j)
+    out[j] = load_as_float(w.data, w.dtype, j);
   return out;
 }
 
@@ -69,7 +70,8 @@ Buffer scale_cols(const Buffer& a, const Buffer& col, int threads) {
   Buffer out(a.size());
   const auto cols = static_cast<std::int64_t>(col.size());
 #pragma omp parallel for num_threads(threads)
-  for (std::int64_t i = 0; i < static_cast<std::int64_t>(a.size()); ++i) out[i] = a[i] * col[i % cols];
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(a.size()); ++i)
+    out[i] = a[i] * col[i % cols];
   return out;
 }
 
@@ -101,7 +103,8 @@ void stepwise_rms_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weigh
   const Buffer g = scale_cols(dyf, weight_as_float(weight, cols), threads);
   Buffer g_xhat(g.size());
 #pragma omp parallel for num_threads(threads)
-  for (std::int64_t i = 0; i < static_cast<std::int64_t>(g.size()); ++i) g_xhat[i] = g[i] * x_hat[i];
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(g.size()); ++i)
+    g_xhat[i] = g[i] * x_hat[i];
   const Buffer mean_g_xhat = row_mean(g_xhat, rows, cols, threads);
   Buffer dxf(g.size());
 #pragma omp parallel for num_threads(threads)
@@ -115,7 +118,8 @@ void stepwise_rms_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weigh
   if (dw.data == nullptr) return;
   Buffer dy_xhat(g.size());
 #pragma omp parallel for num_threads(threads)
-  for (std::int64_t i = 0; i < static_cast<std::int64_t>(g.size()); ++i) dy_xhat[i] = dyf[i] * x_hat[i];
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(g.size()); ++i)
+    dy_xhat[i] = dyf[i] * x_hat[i];
 #pragma omp parallel for num_threads(threads)
   for (std::int64_t j = 0; j < cols; ++j) {
     float sum = 0.0f;

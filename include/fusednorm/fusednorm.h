@@ -66,8 +66,8 @@ struct Vector {
 };
 
 // Convenience constructors for contiguous data.
-inline ConstMatrix const_matrix(const void* data, DType dtype, std::int64_t rows,
-                                std::int64_t cols, std::int64_t row_stride = -1) {
+inline ConstMatrix const_matrix(const void* data, DType dtype, std::int64_t rows, std::int64_t cols,
+                                std::int64_t row_stride = -1) {
   return {data, dtype, rows, cols, row_stride < 0 ? cols : row_stride};
 }
 inline Matrix matrix(void* data, DType dtype, std::int64_t rows, std::int64_t cols,
@@ -122,17 +122,16 @@ void rms_norm(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y, f
 
 // residual <- x + residual (rounded to the residual's dtype), y = rms_norm(residual).
 // One pass over memory. x, residual and y share dtype and shape; y may be x itself.
-void fused_add_rms_norm(const Context& ctx, ConstMatrix x, Matrix residual,
-                        ConstVector weight, Matrix y, float* rstd,
-                        const RmsNormOptions& options = {});
+void fused_add_rms_norm(const Context& ctx, ConstMatrix x, Matrix residual, ConstVector weight,
+                        Matrix y, float* rstd, const RmsNormOptions& options = {});
 
 // Gradients of rms_norm. rstd may be nullptr (then it is recomputed from x with the
 // options' eps). dx (nullable data) may be dy itself. dw (nullable data; required to be
 // absent when weight is absent) is the sum over ALL rows of dy * x * rstd, reduced across
 // rows in a fixed order: bit-identical for any thread count.
 void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
-                       const float* rstd, Matrix dx, Vector dw,
-                       const RmsNormOptions& options = {}, Workspace workspace = {});
+                       const float* rstd, Matrix dx, Vector dw, const RmsNormOptions& options = {},
+                       Workspace workspace = {});
 
 // ---------------------------------------------------------------------------------------
 // LayerNorm
@@ -140,19 +139,17 @@ void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstV
 // y = (x - mean) * rstd * weight + bias, rstd = 1 / sqrt(var + eps), var the biased
 // (population) variance. weight and bias are each optional. mean and rstd (nullable)
 // receive one fp32 per row.
-void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias,
-                Matrix y, float* mean, float* rstd, const LayerNormOptions& options = {});
+void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias, Matrix y,
+                float* mean, float* rstd, const LayerNormOptions& options = {});
 
 // Gradients of layer_norm. mean and rstd must both be given or both be nullptr
 // (recomputed). dw and db are cross-row reductions with the same determinism as
 // rms_norm_backward.
-void layer_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x,
-                         ConstVector weight, const float* mean, const float* rstd, Matrix dx,
-                         Vector dw, Vector db, const LayerNormOptions& options = {},
-                         Workspace workspace = {});
+void layer_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                         const float* mean, const float* rstd, Matrix dx, Vector dw, Vector db,
+                         const LayerNormOptions& options = {}, Workspace workspace = {});
 
 // Scratch bytes the backward operators need for a rows x cols problem on ctx's device.
-std::size_t backward_workspace_bytes(const Context& ctx, std::int64_t rows,
-                                     std::int64_t cols);
+std::size_t backward_workspace_bytes(const Context& ctx, std::int64_t rows, std::int64_t cols);
 
 }  // namespace fusednorm

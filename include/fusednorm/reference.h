@@ -33,7 +33,7 @@ ForwardResult layer_norm(ConstMatrix x, ConstVector weight, ConstVector bias,
 // rstd / mean are recomputed in fp64 from x.
 BackwardResult rms_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight,
                                  const RmsNormOptions& options = {});
-BackwardResult layer_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight,
-                                   bool want_db, const LayerNormOptions& options = {});
+BackwardResult layer_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight, bool want_db,
+                                   const LayerNormOptions& options = {});
 
 }  // namespace fusednorm::reference

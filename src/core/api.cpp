@@ -16,25 +16,32 @@ using detail::NormKind;
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat16: return 2;
-    case DType::kBFloat16: return 2;
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+      return 2;
+    case DType::kBFloat16:
+      return 2;
   }
   throw Error("fusednorm: unsupported dtype value " + std::to_string(static_cast<int>(dtype)));
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
   }
   return "invalid";
 }
 
 bool has_backend(Device device) {
   switch (device) {
-    case Device::kCpu: return true;
+    case Device::kCpu:
+      return true;
     case Device::kCuda:
 #ifdef FUSEDNORM_WITH_CUDA
       return true;
@@ -132,8 +139,8 @@ void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstV
   run("rms_norm_backward", ctx, p);
 }
 
-void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias,
-                Matrix y, float* mean, float* rstd, const LayerNormOptions& options) {
+void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias, Matrix y,
+                float* mean, float* rstd, const LayerNormOptions& options) {
   ForwardProblem p;
   p.kind = NormKind::kLayer;
   p.x = x;

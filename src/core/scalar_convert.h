@@ -66,9 +66,12 @@ inline std::uint16_t float_to_fp16(float f) {
 // Load element i of a buffer of the given dtype as fp32.
 inline float load_as_float(const void* data, DType dtype, std::int64_t i) {
   switch (dtype) {
-    case DType::kFloat32: return static_cast<const float*>(data)[i];
-    case DType::kFloat16: return fp16_to_float(static_cast<const std::uint16_t*>(data)[i]);
-    case DType::kBFloat16: return bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    case DType::kFloat32:
+      return static_cast<const float*>(data)[i];
+    case DType::kFloat16:
+      return fp16_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    case DType::kBFloat16:
+      return bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
   }
   return 0.0f;
 }
@@ -76,9 +79,15 @@ inline float load_as_float(const void* data, DType dtype, std::int64_t i) {
 // Store an fp32 value as element i, rounding once to the dtype.
 inline void store_from_float(void* data, DType dtype, std::int64_t i, float value) {
   switch (dtype) {
-    case DType::kFloat32: static_cast<float*>(data)[i] = value; return;
-    case DType::kFloat16: static_cast<std::uint16_t*>(data)[i] = float_to_fp16(value); return;
-    case DType::kBFloat16: static_cast<std::uint16_t*>(data)[i] = float_to_bf16(value); return;
+    case DType::kFloat32:
+      static_cast<float*>(data)[i] = value;
+      return;
+    case DType::kFloat16:
+      static_cast<std::uint16_t*>(data)[i] = float_to_fp16(value);
+      return;
+    case DType::kBFloat16:
+      static_cast<std::uint16_t*>(data)[i] = float_to_bf16(value);
+      return;
   }
 }
 
@@ -86,10 +95,16 @@ inline void store_from_float(void* data, DType dtype, std::int64_t i, float valu
 inline float round_to_dtype(float value, DType dtype) {
   std::uint16_t bits;
   switch (dtype) {
-    case DType::kFloat32: return value;
-    case DType::kFloat16: bits = float_to_fp16(value); break;
-    case DType::kBFloat16: bits = float_to_bf16(value); break;
-    default: return value;
+    case DType::kFloat32:
+      return value;
+    case DType::kFloat16:
+      bits = float_to_fp16(value);
+      break;
+    case DType::kBFloat16:
+      bits = float_to_bf16(value);
+      break;
+    default:
+      return value;
   }
   return load_as_float(&bits, dtype, 0);
 }

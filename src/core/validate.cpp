@@ -48,12 +48,16 @@ void check_matrix(const char* op, const char* name, const ConstMatrix& m) {
   if (m.cols <= 0) fail(op, name, "D (cols) must be >= 1, got " + std::to_string(m.cols));
   if (m.row_stride < m.cols) {
     fail(op, name,
-         "row_stride " + std::to_string(m.row_stride) + " is smaller than D = " +
-             std::to_string(m.cols));
+         "row_stride " + std::to_string(m.row_stride) +
+             " is smaller than D = " + std::to_string(m.cols));
   }
   if (m.rows > 0 && m.data == nullptr) fail(op, name, "data is null but rows > 0");
+  // Every element index and byte offset must fit: (rows - 1) * row_stride + cols <=
+  // max_elements. cols is checked on its own first: for a too-long row the quotient below
+  // is negative and truncates to 0, which would let a single-row view through.
   const auto max_elements = std::numeric_limits<std::int64_t>::max() / 8;
-  if (m.rows > 0 && (m.rows - 1) > (max_elements - m.cols) / m.row_stride) {
+  if (m.cols > max_elements ||
+      (m.rows > 0 && (m.rows - 1) > (max_elements - m.cols) / m.row_stride)) {
     fail(op, name, "view spans more elements than 64-bit indexing allows");
   }
 }
@@ -67,9 +71,9 @@ void check_same_shape(const char* op, const char* name, const ConstMatrix& m,
              " does not match x's " + std::to_string(x.rows) + " x " + std::to_string(x.cols));
   }
   if (m.dtype != x.dtype) {
-    fail(op, name,
-         std::string("dtype ") + dtype_name(m.dtype) + " does not match x's " +
-             dtype_name(x.dtype));
+    fail(
+        op, name,
+        std::string("dtype ") + dtype_name(m.dtype) + " does not match x's " + dtype_name(x.dtype));
   }
 }
 
@@ -178,8 +182,8 @@ void validate(const char* op, const BackwardProblem& p) {
   for (const auto& [out_name, out] : outputs) {
     for (const auto& [in_name, in] : inputs) check_no_overlap(op, out_name, out, in_name, in);
   }
-  for (const auto& [name, range] : {std::pair{"dw", dw}, std::pair{"db", db},
-                                    std::pair{"workspace", workspace}}) {
+  for (const auto& [name, range] :
+       {std::pair{"dw", dw}, std::pair{"db", db}, std::pair{"workspace", workspace}}) {
     check_no_overlap(op, name, range, "dy", byte_range(p.dy));
     check_no_overlap(op, name, range, "dx", dx);
   }

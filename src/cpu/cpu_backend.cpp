@@ -3,10 +3,9 @@
 #include <omp.h>
 #include <unistd.h>
 
-#include <cstdlib>
-
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -30,7 +29,8 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; 
 template <typename Ptr>
 Ptr advance(Ptr base, std::int64_t elements, std::size_t element_size) {
   using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>, const char, char>;
-  return static_cast<Ptr>(static_cast<Byte*>(base) + elements * static_cast<std::int64_t>(element_size));
+  return static_cast<Ptr>(static_cast<Byte*>(base) +
+                          elements * static_cast<std::int64_t>(element_size));
 }
 
 // A weight or bias as fp32 with weight_offset folded in; borrows the caller's buffer when no
@@ -61,7 +61,8 @@ class PreparedVector {
 // FUSEDNORM_STREAM_MIN_BYTES for measurements.
 std::size_t stream_threshold_bytes() {
   static const std::size_t threshold = [] {
-    if (const char* env = std::getenv("FUSEDNORM_STREAM_MIN_BYTES")) return static_cast<std::size_t>(std::strtoull(env, nullptr, 10));
+    if (const char* env = std::getenv("FUSEDNORM_STREAM_MIN_BYTES"))
+      return static_cast<std::size_t>(std::strtoull(env, nullptr, 10));
     const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
     return static_cast<std::size_t>(l3 > 0 ? l3 : 32L << 20);
   }();
@@ -120,7 +121,8 @@ struct ForwardCall {
   // sum (LayerNorm's mean).
   float first_stat(std::int64_t r, std::int64_t begin, std::int64_t n) const {
     if (p.has_residual()) {
-      return k.add_residual(advance(x_row(r), begin, esize), advance(residual_row(r), begin, esize), n);
+      return k.add_residual(advance(x_row(r), begin, esize), advance(residual_row(r), begin, esize),
+                            n);
     }
     const void* x = advance(x_row(r), begin, esize);
     return centered ? k.sum(x, n) : k.sum_squares[0](x, n, 0.0f);
@@ -144,14 +146,16 @@ struct ForwardCall {
 // mean and rstd of a row from its chunk statistics (first, and for LayerNorm centered).
 void forward_row(const ForwardCall& call, std::int64_t r) {
   const std::int64_t cols = call.p.cols();
-  const float first = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); });
+  const float first =
+      chunked_sum(cols, [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); });
   float mean = 0.0f;
   float mean_square;
   if (call.centered) {
     mean = first / static_cast<float>(cols);
-    mean_square = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) {
-                    return call.centered_stat(r, b, n, mean);
-                  }) / static_cast<float>(cols);
+    mean_square =
+        chunked_sum(cols, [&](std::int64_t b,
+                              std::int64_t n) { return call.centered_stat(r, b, n, mean); }) /
+        static_cast<float>(cols);
   } else {
     mean_square = first / static_cast<float>(cols);
   }
@@ -167,7 +171,8 @@ void forward_split_rows(const ForwardCall& call, int threads) {
   const std::int64_t chunks = ceil_div(cols, kReduceChunk);
   const std::int64_t tasks = rows * chunks;
   std::vector<float> partial(static_cast<std::size_t>(tasks));
-  std::vector<float> mean(static_cast<std::size_t>(rows), 0.0f), rstd(static_cast<std::size_t>(rows));
+  std::vector<float> mean(static_cast<std::size_t>(rows), 0.0f),
+      rstd(static_cast<std::size_t>(rows));
   auto chunk_of = [&](std::int64_t t, std::int64_t* r, std::int64_t* begin, std::int64_t* n) {
     *r = t / chunks;
     *begin = (t % chunks) * kReduceChunk;
@@ -233,15 +238,17 @@ struct BackwardCall {
         centered(problem.kind == NormKind::kLayer),
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),
-        apply(k.backward_apply[stream_output(problem.rows(), problem.cols(), problem.x.dtype)][centered]
-                              [weight.present()][want_dw][want_db]) {
+        apply(k.backward_apply[stream_output(problem.rows(), problem.cols(), problem.x.dtype)]
+                              [centered][weight.present()][want_dw][want_db]) {
     if (p.dx.data == nullptr) {
       discarded_dx.resize(static_cast<std::size_t>(threads) * p.cols() * esize);
     }
   }
 
   const void* x_row(std::int64_t r) const { return advance(p.x.data, r * p.x.row_stride, esize); }
-  const void* dy_row(std::int64_t r) const { return advance(p.dy.data, r * p.dy.row_stride, esize); }
+  const void* dy_row(std::int64_t r) const {
+    return advance(p.dy.data, r * p.dy.row_stride, esize);
+  }
   void* dx_row(std::int64_t r) {
     if (p.dx.data != nullptr) return advance(p.dx.data, r * p.dx.row_stride, esize);
     return discarded_dx.data() + omp_get_thread_num() * p.cols() * esize;
@@ -258,15 +265,20 @@ struct BackwardCall {
     const void* x = x_row(r);
     float m = 0.0f, mean_square;
     if (centered) {
-      m = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) { return k.sum(advance(x, b, esize), n); }) /
+      m = chunked_sum(cols, [&](std::int64_t b,
+                                std::int64_t n) { return k.sum(advance(x, b, esize), n); }) /
           static_cast<float>(cols);
-      mean_square = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) {
-                      return k.sum_squares[1](advance(x, b, esize), n, m);
-                    }) / static_cast<float>(cols);
+      mean_square = chunked_sum(cols,
+                                [&](std::int64_t b, std::int64_t n) {
+                                  return k.sum_squares[1](advance(x, b, esize), n, m);
+                                }) /
+                    static_cast<float>(cols);
     } else {
-      mean_square = chunked_sum(cols, [&](std::int64_t b, std::int64_t n) {
-                      return k.sum_squares[0](advance(x, b, esize), n, 0.0f);
-                    }) / static_cast<float>(cols);
+      mean_square = chunked_sum(cols,
+                                [&](std::int64_t b, std::int64_t n) {
+                                  return k.sum_squares[0](advance(x, b, esize), n, 0.0f);
+                                }) /
+                    static_cast<float>(cols);
     }
     *mean = m;
     *rstd = rstd_from_mean_square(mean_square, p.eps);
@@ -274,10 +286,9 @@ struct BackwardCall {
 
   void dots(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
             float* g_xhat, float* g) const {
-    k.backward_dots[centered][weight.present()](advance(dy_row(r), begin, esize),
-                                                advance(x_row(r), begin, esize),
-                                                weight.present() ? weight.data() + begin : nullptr,
-                                                n, mean, rstd, g_xhat, g);
+    k.backward_dots[centered][weight.present()](
+        advance(dy_row(r), begin, esize), advance(x_row(r), begin, esize),
+        weight.present() ? weight.data() + begin : nullptr, n, mean, rstd, g_xhat, g);
   }
 
   void apply_chunk(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
@@ -290,7 +301,8 @@ struct BackwardCall {
 
 // dst[offset, offset + n) = values, rounded once to dst's dtype.
 void store_floats(const float* values, std::int64_t n, Vector dst, std::int64_t offset) {
-  for (std::int64_t j = 0; j < n; ++j) detail::store_from_float(dst.data, dst.dtype, offset + j, values[j]);
+  for (std::int64_t j = 0; j < n; ++j)
+    detail::store_from_float(dst.data, dst.dtype, offset + j, values[j]);
 }
 
 // Per-row coefficients of dx.
@@ -300,8 +312,8 @@ struct RowCoefficients {
 
 // dst (in the gradient's dtype) = sum over blocks of partials, added in block order.
 // Walks each column chunk block by block, so every pass is a contiguous, vectorizable run.
-void finish_column_sums(const float* partials, std::int64_t blocks, std::int64_t cols,
-                        Vector dst, int threads) {
+void finish_column_sums(const float* partials, std::int64_t blocks, std::int64_t cols, Vector dst,
+                        int threads) {
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> total(static_cast<std::size_t>(std::min(cols, kReduceChunk)));
@@ -374,7 +386,8 @@ void backward_split_rows(BackwardCall& call, int threads) {
   const RowBlocks blocks = row_blocks(rows);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> block_dw(call.want_dw ? kReduceChunk : 0), block_db(call.want_db ? kReduceChunk : 0);
+    std::vector<float> block_dw(call.want_dw ? kReduceChunk : 0),
+        block_db(call.want_db ? kReduceChunk : 0);
     std::vector<float> total_dw(block_dw.size()), total_db(block_db.size());
 #pragma omp for schedule(static)
     for (std::int64_t c = 0; c < chunks; ++c) {
@@ -390,8 +403,10 @@ void backward_split_rows(BackwardCall& call, int threads) {
                            coef[r].mean_g_xhat, call.want_dw ? block_dw.data() : nullptr,
                            call.want_db ? block_db.data() : nullptr);
         }
-        for (std::int64_t j = 0; j < static_cast<std::int64_t>(total_dw.size()); ++j) total_dw[j] += block_dw[j];
-        for (std::int64_t j = 0; j < static_cast<std::int64_t>(total_db.size()); ++j) total_db[j] += block_db[j];
+        for (std::int64_t j = 0; j < static_cast<std::int64_t>(total_dw.size()); ++j)
+          total_dw[j] += block_dw[j];
+        for (std::int64_t j = 0; j < static_cast<std::int64_t>(total_db.size()); ++j)
+          total_db[j] += block_db[j];
       }
       if (call.want_dw) store_floats(total_dw.data(), n, call.p.dw, begin);
       if (call.want_db) store_floats(total_db.data(), n, call.p.db, begin);
@@ -456,7 +471,8 @@ void backward(const BackwardProblem& p, int num_threads) {
                  std::to_string(p.workspace.bytes) + " bytes given, " + std::to_string(needed) +
                      " needed (see backward_workspace_bytes)");
   }
-  const std::size_t bytes = 3 * static_cast<std::size_t>(p.rows() * p.cols()) * dtype_size(p.x.dtype);
+  const std::size_t bytes =
+      3 * static_cast<std::size_t>(p.rows() * p.cols()) * dtype_size(p.x.dtype);
   const ThreadPlan plan = plan_threads(p.rows(), p.cols(), bytes, num_threads);
   BackwardCall call(p, plan.threads);
   if (plan.split_rows) {

@@ -4,14 +4,13 @@
 #define HWY_TARGET_INCLUDE "cpu/row_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
-#include "hwy/highway.h"
-
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
 
 #include "core/scalar_convert.h"
 #include "cpu/row_kernels.h"
+#include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace fusednorm::cpu {
@@ -95,9 +94,7 @@ struct ElementIO<hwy::float16_t> {
 template <>
 struct ElementIO<hwy::bfloat16_t> {
   using DB = hn::Rebind<hwy::bfloat16_t, DF>;
-  static VF Load(DF df, const hwy::bfloat16_t* p) {
-    return hn::PromoteTo(df, hn::LoadU(DB(), p));
-  }
+  static VF Load(DF df, const hwy::bfloat16_t* p) { return hn::PromoteTo(df, hn::LoadU(DB(), p)); }
   // Highway 1.0's DemoteTo(bf16) truncates; round to nearest even here so that the vector
   // path and the scalar reference produce the same bits.
   static hn::Vec<DB> Demote(DF, VF v) {
@@ -143,7 +140,7 @@ class Tail {
 // The tail of an fp32 buffer (weights, accumulators): same staging, fixed type.
 using FloatTail = Tail<float>;
 
-using Full = std::true_type;     // a whole vector of elements
+using Full = std::true_type;      // a whole vector of elements
 using Partial = std::false_type;  // fewer elements than lanes: staged through a Tail
 
 // Loads `count` elements at p as fp32: directly for a whole vector, staged otherwise.
@@ -178,8 +175,11 @@ void WriteRow(DF df, T* out, int64_t n, MakeFn make) {
     const uintptr_t vector_bytes = static_cast<uintptr_t>(N) * sizeof(T);
     if (address % sizeof(T) == 0) {
       const int64_t head = std::min<int64_t>(
-          n, static_cast<int64_t>((vector_bytes - address % vector_bytes) % vector_bytes / sizeof(T)));
-      if (head > 0) Tail<T>(nullptr, static_cast<size_t>(head)).Store(df, make(Partial(), 0, static_cast<size_t>(head)), out);
+          n,
+          static_cast<int64_t>((vector_bytes - address % vector_bytes) % vector_bytes / sizeof(T)));
+      if (head > 0)
+        Tail<T>(nullptr, static_cast<size_t>(head))
+            .Store(df, make(Partial(), 0, static_cast<size_t>(head)), out);
       for (i = head; i + N <= n; i += N) ElementIO<T>::Stream(df, make(Full(), i, N), out + i);
     }
   }
@@ -233,8 +233,7 @@ float SumSquares(const void* x_ptr, int64_t n, float center) {
   if (i < n) {
     const size_t rest = static_cast<size_t>(n - i);
     // Padding lanes are zero, but (0 - center)^2 is not: mask them out.
-    const VF a = hn::IfThenElseZero(hn::FirstN(df, rest),
-                                    deviation(Tail<T>(x + i, rest).Load(df)));
+    const VF a = hn::IfThenElseZero(hn::FirstN(df, rest), deviation(Tail<T>(x + i, rest).Load(df)));
     acc1 = hn::MulAdd(a, a, acc1);
   }
   return hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
@@ -315,8 +314,8 @@ void BackwardDots(const void* dy_ptr, const void* x_ptr, const float* w, int64_t
 
 template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb>
 void BackwardApply(const void* dy_ptr, const void* x_ptr, const float* w, void* dx_ptr,
-                   float* dw_acc, float* db_acc, int64_t n, float mean, float rstd,
-                   float mean_g, float mean_g_xhat) {
+                   float* dw_acc, float* db_acc, int64_t n, float mean, float rstd, float mean_g,
+                   float mean_g_xhat) {
   const DF df;
   const T* dy = static_cast<const T*>(dy_ptr);
   const T* x = static_cast<const T*>(x_ptr);
@@ -330,10 +329,12 @@ void BackwardApply(const void* dy_ptr, const void* x_ptr, const float* w, void* 
     const VF g = kWeight ? hn::Mul(dyv, LoadElements(full, df, w + i, count)) : dyv;
     const VF xhat = hn::Mul(kCentered ? hn::Sub(xv, vmean) : xv, vrstd);
     if (kDw) {
-      StoreFloats(full, df, hn::MulAdd(dyv, xhat, LoadElements(full, df, dw_acc + i, count)), dw_acc + i, count);
+      StoreFloats(full, df, hn::MulAdd(dyv, xhat, LoadElements(full, df, dw_acc + i, count)),
+                  dw_acc + i, count);
     }
     if (kDb) {
-      StoreFloats(full, df, hn::Add(dyv, LoadElements(full, df, db_acc + i, count)), db_acc + i, count);
+      StoreFloats(full, df, hn::Add(dyv, LoadElements(full, df, db_acc + i, count)), db_acc + i,
+                  count);
     }
     const VF centered_g = kCentered ? hn::Sub(g, vmean_g) : g;
     return hn::Mul(vrstd, hn::NegMulAdd(xhat, vmean_g_xhat, centered_g));

@@ -24,8 +24,8 @@ using SumSquaresFn = float (*)(const void* x, std::int64_t n, float center);
 // residual <- round(x + residual); returns the sum of squares of the rounded residual.
 using AddResidualFn = float (*)(const void* x, void* residual, std::int64_t n);
 // y = (x - mean) * rstd [* w] [+ b].
-using NormalizeFn = void (*)(const void* x, const float* w, const float* b, void* y,
-                             std::int64_t n, float mean, float rstd);
+using NormalizeFn = void (*)(const void* x, const float* w, const float* b, void* y, std::int64_t n,
+                             float mean, float rstd);
 // With x_hat = (x - mean) * rstd and g = dy [* w]: sum of g * x_hat, and (centered only)
 // sum of g.
 using BackwardDotsFn = void (*)(const void* dy, const void* x, const float* w, std::int64_t n,
@@ -37,7 +37,7 @@ using BackwardApplyFn = void (*)(const void* dy, const void* x, const float* w, 
 
 struct DTypeKernels {
   SumFn sum;
-  SumSquaresFn sum_squares[2];                    // [centered]
+  SumSquaresFn sum_squares[2];  // [centered]
   AddResidualFn add_residual;
   NormalizeFn normalize[2][2][2][2];              // [stream][centered][weight][bias]
   BackwardDotsFn backward_dots[2][2];             // [centered][weight]

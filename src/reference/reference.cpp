@@ -24,8 +24,8 @@ std::size_t index(std::int64_t r, std::int64_t cols, std::int64_t j) {
 
 // Normalize rows of `source` (row-major rows x cols doubles).
 ForwardResult normalize(const std::vector<double>& source, std::int64_t rows, std::int64_t cols,
-                        bool centered, ConstVector weight, double weight_offset,
-                        ConstVector bias, double eps) {
+                        bool centered, ConstVector weight, double weight_offset, ConstVector bias,
+                        double eps) {
   ForwardResult out;
   out.y.resize(source.size());
   out.rstd.resize(static_cast<std::size_t>(rows));
@@ -126,8 +126,8 @@ BackwardResult rms_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weig
   return backward(dy, x, weight, options.weight_offset, false, false, options.eps);
 }
 
-BackwardResult layer_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight,
-                                   bool want_db, const LayerNormOptions& options) {
+BackwardResult layer_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight, bool want_db,
+                                   const LayerNormOptions& options) {
   return backward(dy, x, weight, 0.0, true, want_db, options.eps);
 }
 
