@@ -69,9 +69,11 @@ Buffer scale_rows(const Buffer& a, const Buffer& row, std::int64_t cols, int thr
 Buffer scale_cols(const Buffer& a, const Buffer& col, int threads) {
   Buffer out(a.size());
   const auto cols = static_cast<std::int64_t>(col.size());
+  const auto rows = static_cast<std::int64_t>(a.size()) / cols;
 #pragma omp parallel for num_threads(threads)
-  for (std::int64_t i = 0; i < static_cast<std::int64_t>(a.size()); ++i)
-    out[i] = a[i] * col[i % cols];
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < cols; ++j) out[r * cols + j] = a[r * cols + j] * col[j];
+  }
   return out;
 }
 
