@@ -121,7 +121,7 @@ bool Buffer::in_view(std::int64_t i, std::int64_t* r, std::int64_t* j) const {
   std::int64_t unwritten = 0, clobbered = 0;
   std::ostringstream detail;
   for (std::int64_t i = 0; i < total_elements(); ++i) {
-    std::int64_t r, j;
+    std::int64_t r = 0, j = 0;
     const bool inside = in_view(i, &r, &j);
     const bool sentinel = raw_is_sentinel(i);
     if (inside && sentinel) {
@@ -141,7 +141,7 @@ bool Buffer::in_view(std::int64_t i, std::int64_t* r, std::int64_t* j) const {
   std::int64_t clobbered = 0;
   std::ostringstream detail;
   for (std::int64_t i = 0; i < total_elements(); ++i) {
-    std::int64_t r, j;
+    std::int64_t r = 0, j = 0;
     if (!in_view(i, &r, &j) && !raw_is_sentinel(i)) {
       if (clobbered++ < 3) detail << " storage index " << i << ";";
     }
@@ -217,6 +217,14 @@ void fill_activations(Buffer& b, Rng& rng, bool with_center) {
 void fill_normal(Buffer& b, Rng& rng, double mean, double stddev) {
   std::normal_distribution<double> normal(mean, stddev);
   b.fill([&](std::int64_t, std::int64_t) { return normal(rng); });
+}
+
+Buffer make_weight(WeightKind kind, DType x_dtype, std::int64_t cols, Rng& rng,
+                   double mean) {
+  if (kind == WeightKind::kNone) return {};
+  Buffer w = Buffer::vector_of(weight_dtype(kind, x_dtype), cols);
+  fill_normal(w, rng, mean, 0.5);
+  return w;
 }
 
 // ---- Tolerances --------------------------------------------------------------------------

@@ -42,6 +42,10 @@ bool quick_mode();
 int case_count(int full, int quick);
 
 std::string dtype_str(DType dtype);
+// Test-name suffix of a test parameterized over DType.
+inline std::string dtype_param_name(const ::testing::TestParamInfo<DType>& param) {
+  return dtype_str(param.param);
+}
 
 // ---- Guarded buffers ---------------------------------------------------------------------
 
@@ -101,6 +105,8 @@ class Buffer {
   ::testing::AssertionResult check_guards(const std::string& name) const;
   // Nothing at all was written: identical bytes to `before`.
   std::vector<std::uint64_t> snapshot() const { return storage_; }
+  void restore(const std::vector<std::uint64_t>& saved) { storage_ = saved; }
+  bool empty() const { return storage_.empty(); }
   ::testing::AssertionResult check_unchanged(const std::string& name,
                                              const std::vector<std::uint64_t>& before) const;
 
@@ -181,6 +187,13 @@ std::string weight_kind_str(WeightKind kind);
 inline DType weight_dtype(WeightKind kind, DType x_dtype) {
   return kind == WeightKind::kFloat32 ? DType::kFloat32 : x_dtype;
 }
+
+// A weight (or bias) of the given kind, N(mean, 0.5); an empty Buffer for kNone.
+Buffer make_weight(WeightKind kind, DType x_dtype, std::int64_t cols, Rng& rng,
+                   double mean);
+// The view the API takes: absent (data == nullptr) for an empty Buffer.
+inline ConstVector view_of(const Buffer& b) { return b.empty() ? ConstVector{} : b.cvector(); }
+inline Vector mutable_view_of(Buffer& b) { return b.empty() ? Vector{} : b.vector(); }
 
 // Expects `statement` to throw fusednorm::Error whose message contains every fragment.
 #define EXPECT_FUSEDNORM_ERROR(statement, ...)                                              \

@@ -1,0 +1,244 @@
+// Large problems: D = 1,048,576 against the reference, and 64-bit indexing through views
+// whose row offsets exceed 2^32 elements. The latter live in sparse anonymous mappings:
+// only the pages around each row are ever touched, so a view spanning 16 GB of address
+// space costs a few pages of memory.
+#include <sys/mman.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "test_util.h"
+
+namespace fusednorm::test {
+namespace {
+
+constexpr std::int64_t kMegaD = 1 << 20;
+
+TEST(Large, MillionWideRows) {
+  const DType dtypes_full[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  const std::size_t dtype_count = quick_mode() ? 1 : 3;
+  for (std::size_t d = 0; d < dtype_count; ++d) {
+    const DType dtype = dtypes_full[d];
+    for (const std::int64_t rows : {std::int64_t{1}, std::int64_t{2}}) {
+      SCOPED_TRACE(::testing::Message() << dtype_str(dtype) << ", rows " << rows);
+      Rng rng(seed_for(current_test_name(), static_cast<int>(rows) * 3 + static_cast<int>(d)));
+      Buffer x(dtype, rows, kMegaD), dy(dtype, rows, kMegaD), residual(dtype, rows, kMegaD);
+      fill_activations(x, rng, true);
+      fill_activations(dy, rng, false);
+      fill_activations(residual, rng, false);
+      const Buffer w = make_weight(WeightKind::kSame, dtype, kMegaD, rng, 1.0);
+      const Buffer b = make_weight(WeightKind::kFloat32, dtype, kMegaD, rng, 0.0);
+      Buffer y(dtype, rows, kMegaD);
+      Buffer rstd = Buffer::floats(rows), mean = Buffer::floats(rows);
+      const double tol = tolerance(dtype), floor = absolute_floor(dtype);
+
+      rms_norm({}, x.cmatrix(), w.cvector(), y.matrix(), rstd.float_data());
+      auto ref = reference::rms_norm(x.cmatrix(), w.cvector());
+      EXPECT_TRUE(y.check_written("y"));
+      EXPECT_TRUE(compare("large rms_norm y", y, ref.y, row_max_abs(ref.y, rows, kMegaD), tol, floor));
+      EXPECT_TRUE(compare_stats("large rstd", rstd.float_data(), ref.rstd, ref.rstd,
+                                tolerance(DType::kFloat32)));
+
+      ref = reference::fused_add_rms_norm(x.cmatrix(), residual.cmatrix(), w.cvector());
+      fused_add_rms_norm({}, x.cmatrix(), residual.matrix(), w.cvector(), y.matrix(), nullptr);
+      EXPECT_TRUE(compare("large fused residual", residual, ref.residual,
+                          std::vector<double>(static_cast<std::size_t>(rows), 0.0), 0.0));
+      EXPECT_TRUE(compare("large fused y", y, ref.y, row_max_abs(ref.y, rows, kMegaD), tol, floor));
+
+      layer_norm({}, x.cmatrix(), w.cvector(), b.cvector(), y.matrix(), mean.float_data(),
+                 rstd.float_data());
+      ref = reference::layer_norm(x.cmatrix(), w.cvector(), b.cvector());
+      const auto unbiased = reference::layer_norm(x.cmatrix(), w.cvector(), {}).y;
+      std::vector<double> scale = row_max_abs(unbiased, rows, kMegaD);
+      for (double& s : scale) s += 5.0;  // |b| <= ~5 sigma
+      EXPECT_TRUE(compare("large layer_norm y", y, ref.y, scale, tol, floor));
+
+      // Backward, dx written over dy (the gradients are compared against a copy).
+      const Buffer dy_copy = dy;
+      Buffer dw = Buffer::vector_of(DType::kFloat32, kMegaD);
+      Buffer db = Buffer::vector_of(DType::kFloat32, kMegaD);
+      layer_norm_backward({}, dy.cmatrix(), x.cmatrix(), w.cvector(), mean.float_data(),
+                          rstd.float_data(), dy.matrix(), dw.vector(), db.vector());
+      const auto bref = reference::layer_norm_backward(dy_copy.cmatrix(), x.cmatrix(),
+                                                       w.cvector(), true);
+      EXPECT_TRUE(dy.check_written("dx"));
+      // Scale-aware: dx ~ rstd * |dy * w|; compare against the largest reference value and
+      // that bound (dx error does not shrink where g - mean_g cancels).
+      std::vector<double> dx_scale = row_max_abs(bref.dx, rows, kMegaD);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        double g = 0.0;
+        for (std::int64_t j = 0; j < kMegaD; ++j) g = std::max(g, std::fabs(dy_copy.at(r, j) * w.at(j)));
+        dx_scale[r] = std::max(dx_scale[r], rstd.float_data()[r] * g);
+      }
+      EXPECT_TRUE(compare("large layer_norm dx", dy, bref.dx, dx_scale, tol, floor));
+      std::vector<double> abs_db(static_cast<std::size_t>(kMegaD), 0.0), abs_dw(abs_db);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t j = 0; j < kMegaD; ++j) {
+          const double g = std::fabs(dy_copy.at(r, j));
+          abs_db[j] += g;
+          abs_dw[j] += g * 10.0;  // |xhat| stays below ~6 for normal data
+        }
+      }
+      EXPECT_TRUE(compare_vector("large dw", dw, bref.dw, abs_dw, tolerance(DType::kFloat32),
+                                 tolerance(DType::kFloat32)));
+      EXPECT_TRUE(compare_vector("large db", db, bref.db, abs_db, tolerance(DType::kFloat32),
+                                 tolerance(DType::kFloat32)));
+    }
+  }
+}
+
+// ---- 64-bit indexing --------------------------------------------------------------------------
+
+// A rows x cols view with a huge row stride in a sparse mapping. Around each row, kWindow
+// elements before and after are set to the sentinel and checked afterwards.
+class SparseMatrix {
+ public:
+  static constexpr std::int64_t kWindow = 64;
+
+  SparseMatrix(DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t stride)
+      : dtype_(dtype), rows_(rows), cols_(cols), stride_(stride) {
+    bytes_ = static_cast<std::size_t>((rows - 1) * stride + cols + 2 * kWindow) * dtype_size(dtype);
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    base_ = p == MAP_FAILED ? nullptr : static_cast<unsigned char*>(p);
+    if (base_ == nullptr) return;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t j = -kWindow; j < cols + kWindow; ++j) poison(r, j);
+    }
+  }
+  ~SparseMatrix() {
+    if (base_ != nullptr) munmap(base_, bytes_);
+  }
+  SparseMatrix(const SparseMatrix&) = delete;
+  SparseMatrix& operator=(const SparseMatrix&) = delete;
+
+  bool ok() const { return base_ != nullptr; }
+  void* data() const { return base_ + kWindow * static_cast<std::int64_t>(dtype_size(dtype_)); }
+  Matrix matrix() const { return {data(), dtype_, rows_, cols_, stride_}; }
+  ConstMatrix cmatrix() const { return matrix(); }
+
+  double at(std::int64_t r, std::int64_t j) const {
+    return detail::load_as_float(data(), dtype_, r * stride_ + j);
+  }
+  void set(std::int64_t r, std::int64_t j, double v) {
+    detail::store_from_float(data(), dtype_, r * stride_ + j, static_cast<float>(v));
+  }
+  std::uint32_t bits(std::int64_t r, std::int64_t j) const {
+    std::uint32_t u = 0;
+    std::memcpy(&u, static_cast<const unsigned char*>(data()) +
+                        (r * stride_ + j) * static_cast<std::int64_t>(dtype_size(dtype_)),
+                dtype_size(dtype_));
+    return u;
+  }
+  std::uint32_t sentinel() const { return dtype_ == DType::kFloat32 ? kSentinel32 : kSentinel16; }
+  // Guards untouched, every element written (outputs) or never the sentinel (inputs).
+  ::testing::AssertionResult check(const char* name) const {
+    for (std::int64_t r = 0; r < rows_; ++r) {
+      for (std::int64_t j = -kWindow; j < cols_ + kWindow; ++j) {
+        const bool inside = j >= 0 && j < cols_;
+        if (inside == (bits(r, j) == sentinel())) {
+          return ::testing::AssertionFailure()
+                 << name << ": row " << r << ", column " << j
+                 << (inside ? " not written" : " written outside the view");
+        }
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+ private:
+  void poison(std::int64_t r, std::int64_t j) {
+    const std::uint32_t s = sentinel();
+    std::memcpy(static_cast<unsigned char*>(data()) +
+                    (r * stride_ + j) * static_cast<std::int64_t>(dtype_size(dtype_)),
+                &s, dtype_size(dtype_));
+  }
+
+  DType dtype_;
+  std::int64_t rows_, cols_, stride_;
+  std::size_t bytes_ = 0;
+  unsigned char* base_ = nullptr;
+};
+
+// Row r starts at r * (2^31 + 19) elements: beyond int32 for r = 1 and beyond uint32 (and
+// 2^32 bytes) for r = 2. Every operator, forward and backward.
+TEST(Large, SixtyFourBitRowOffsets) {
+  const std::int64_t rows = 3, cols = 77, stride = (std::int64_t{1} << 31) + 19;
+  const DType dtype = DType::kFloat16;
+  SparseMatrix x(dtype, rows, cols, stride), y(dtype, rows, cols, stride),
+      dy(dtype, rows, cols, stride), dx(dtype, rows, cols, stride),
+      residual(dtype, rows, cols, stride);
+  if (!x.ok() || !y.ok() || !dy.ok() || !dx.ok() || !residual.ok()) {
+    GTEST_SKIP() << "cannot reserve 5 x 8.6 GB of address space here";
+  }
+  ASSERT_GT((rows - 1) * stride, std::int64_t{1} << 32);
+  Rng rng(seed_for(current_test_name(), 0));
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      x.set(r, j, (r + 1) * normal(rng) + 0.5);
+      dy.set(r, j, normal(rng));
+      residual.set(r, j, normal(rng));
+    }
+  }
+  const Buffer w = make_weight(WeightKind::kSame, dtype, cols, rng, 1.0);
+  const Buffer b = make_weight(WeightKind::kSame, dtype, cols, rng, 0.0);
+  float rstd[rows], mean[rows];
+  const double tol = tolerance(dtype), floor = absolute_floor(dtype);
+
+  // The comparisons read the sparse outputs through a small contiguous copy.
+  auto gather = [&](const SparseMatrix& m) {
+    Buffer out(dtype, rows, cols);
+    out.fill([&](std::int64_t r, std::int64_t j) { return m.at(r, j); });
+    return out;
+  };
+
+  rms_norm({}, x.cmatrix(), w.cvector(), y.matrix(), rstd);
+  auto ref = reference::rms_norm(x.cmatrix(), w.cvector());
+  EXPECT_TRUE(y.check("rms_norm y"));
+  EXPECT_TRUE(compare("64-bit rms_norm y", gather(y), ref.y, row_max_abs(ref.y, rows, cols), tol, floor));
+
+  layer_norm({}, x.cmatrix(), w.cvector(), b.cvector(), y.matrix(), mean, rstd);
+  ref = reference::layer_norm(x.cmatrix(), w.cvector(), b.cvector());
+  std::vector<double> scale = row_max_abs(ref.y, rows, cols);
+  for (double& s : scale) s += 3.0;
+  EXPECT_TRUE(y.check("layer_norm y"));
+  EXPECT_TRUE(compare("64-bit layer_norm y", gather(y), ref.y, scale, tol, floor));
+
+  ref = reference::fused_add_rms_norm(x.cmatrix(), residual.cmatrix(), w.cvector());
+  fused_add_rms_norm({}, x.cmatrix(), residual.matrix(), w.cvector(), y.matrix(), rstd);
+  EXPECT_TRUE(residual.check("residual"));
+  EXPECT_TRUE(compare("64-bit fused residual", gather(residual), ref.residual,
+                      std::vector<double>(rows, 0.0), 0.0));
+  EXPECT_TRUE(compare("64-bit fused y", gather(y), ref.y, row_max_abs(ref.y, rows, cols), tol, floor));
+
+  for (const bool centered : {false, true}) {
+    SCOPED_TRACE(centered ? "layer_norm_backward" : "rms_norm_backward");
+    Buffer dw = Buffer::vector_of(DType::kFloat32, cols);
+    reference::BackwardResult bref;
+    if (centered) {
+      layer_norm_backward({}, dy.cmatrix(), x.cmatrix(), w.cvector(), nullptr, nullptr,
+                          dx.matrix(), dw.vector(), {});
+      bref = reference::layer_norm_backward(dy.cmatrix(), x.cmatrix(), w.cvector(), false);
+    } else {
+      rms_norm_backward({}, dy.cmatrix(), x.cmatrix(), w.cvector(), nullptr, dx.matrix(),
+                        dw.vector());
+      bref = reference::rms_norm_backward(dy.cmatrix(), x.cmatrix(), w.cvector());
+    }
+    EXPECT_TRUE(dx.check("dx"));
+    std::vector<double> dx_scale = row_max_abs(bref.dx, rows, cols);
+    for (double& s : dx_scale) s *= 4.0;  // cancellation headroom for these small rows
+    EXPECT_TRUE(compare("64-bit dx", gather(dx), bref.dx, dx_scale, tol, floor));
+    std::vector<double> abs_dw(static_cast<std::size_t>(cols), 0.0);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t j = 0; j < cols; ++j) abs_dw[j] += std::fabs(dy.at(r, j)) * 10.0;
+    }
+    EXPECT_TRUE(compare_vector("64-bit dw", dw, bref.dw, abs_dw, tolerance(DType::kFloat32),
+                               tolerance(DType::kFloat32)));
+  }
+  EXPECT_TRUE(x.check("x (input)"));
+  EXPECT_TRUE(dy.check("dy (input)"));
+}
+
+}  // namespace
+}  // namespace fusednorm::test

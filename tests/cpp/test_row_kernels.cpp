@@ -1,0 +1,349 @@
+// The per-row SIMD kernels of every Highway target compiled into this binary that this CPU
+// can run (the public API only ever reaches the best one). Each kernel is checked on rows
+// of odd lengths (every tail length of every vector width) against scalar math: outputs
+// that the kernels compute with plain fp32 multiplies and adds must match bit for bit after
+// rounding to the dtype (this is where a truncating or range-clamping fp16/bf16 conversion
+// shows); sums are checked against fp64 with an fp32 accumulation tolerance. Nothing may
+// be written past n.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "cpu/row_kernels.h"
+#include "test_util.h"
+
+namespace fusednorm::test {
+namespace {
+
+using cpu::DTypeKernels;
+using cpu::TargetKernels;
+
+constexpr std::int64_t kLengths[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 15, 16, 17, 31, 33, 47, 63, 64, 65, 100};
+
+const std::vector<TargetKernels>& targets() {
+  static const std::vector<TargetKernels> t = cpu::kernels_for_all_supported_targets();
+  return t;
+}
+
+// Values of all magnitudes the dtype holds, so stores round normals and subnormals.
+void fill_wide_range(Buffer& b, Rng& rng) {
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const double lo = b.dtype() == DType::kFloat16 ? -16.0 : -30.0;
+  const double hi = b.dtype() == DType::kFloat16 ? 8.0 : 30.0;
+  std::uniform_real_distribution<double> exponent(lo, hi);
+  b.fill([&](std::int64_t, std::int64_t) { return normal(rng) * std::exp2(exponent(rng)); });
+}
+
+double sum_abs(const Buffer& b, double center, int power) {
+  double s = 0.0;
+  for (std::int64_t j = 0; j < b.cols(); ++j) s += std::pow(std::fabs(b.at(j) - center), power);
+  return s;
+}
+
+// How an output row is written: ordinary stores, or non-temporal stores (whose aligned
+// body is preceded by a staged head) at every offset from vector alignment.
+struct StoreMode {
+  int stream;
+  std::int64_t offset;  // extra guard elements before the output: shifts its alignment
+};
+std::vector<StoreMode> store_modes() {
+  std::vector<StoreMode> modes = {{0, 0}, {0, 1}};
+  for (std::int64_t offset = 0; offset <= 16; ++offset) modes.push_back({1, offset});
+  return modes;
+}
+
+// fp32 accumulation of n terms: a generous bound for any summation order.
+double sum_tolerance(std::int64_t n) { return (static_cast<double>(n) + 4.0) * 0x1p-24; }
+
+TEST(RowKernels, EveryTargetIsListedAndComplete) {
+  ASSERT_FALSE(targets().empty());
+  std::set<std::string> names;
+  for (const TargetKernels& t : targets()) {
+    SCOPED_TRACE(t.name);
+    names.insert(t.name);
+    EXPECT_STREQ(t.name, t.kernels.target_name);
+    for (const DType dtype : kAllDTypes) {
+      const DTypeKernels& k = t.kernels.by_dtype[static_cast<int>(dtype)];
+      EXPECT_NE(k.sum, nullptr);
+      EXPECT_NE(k.sum_squares[0], nullptr);
+      EXPECT_NE(k.sum_squares[1], nullptr);
+      EXPECT_NE(k.add_residual, nullptr);
+      for (int c = 0; c < 2; ++c) {
+        for (int w = 0; w < 2; ++w) {
+          EXPECT_NE(k.backward_dots[c][w], nullptr);
+          for (const int s : {0, 1}) {
+            for (int b = 0; b < 2; ++b) EXPECT_NE(k.normalize[s][c][w][b], nullptr);
+            for (int dw = 0; dw < 2; ++dw) {
+              for (int db = 0; db < 2; ++db) {
+                // RMSNorm has no bias gradient; no weight means no weight gradient.
+                const bool expected = (c == 1 || db == 0) && (w == 1 || dw == 0);
+                EXPECT_EQ(k.backward_apply[s][c][w][dw][db] != nullptr, expected)
+                    << s << c << w << dw << db;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(names.size(), targets().size()) << "a target is listed twice";
+  // The dispatched table is one of them.
+  EXPECT_EQ(names.count(cpu::row_kernels().target_name), 1u);
+  std::string list;
+  for (const std::string& n : names) list += n + " ";
+  std::cout << "[ targets ] " << list << "(dispatched: " << cpu::row_kernels().target_name
+            << ")\n";
+}
+
+class RowKernelTest : public ::testing::TestWithParam<DType> {
+ protected:
+  DType dtype() const { return GetParam(); }
+};
+
+TEST_P(RowKernelTest, Reductions) {
+  for (const TargetKernels& t : targets()) {
+    const DTypeKernels& k = t.kernels.by_dtype[static_cast<int>(dtype())];
+    for (const std::int64_t n : kLengths) {
+      SCOPED_TRACE(::testing::Message() << t.name << ", n " << n);
+      Rng rng(seed_for(current_test_name(), static_cast<int>(n)));
+      Buffer x = Buffer::vector_of(dtype(), n);
+      fill_activations(x, rng, true);
+      double sum = 0.0, squares = 0.0;
+      for (std::int64_t j = 0; j < n; ++j) {
+        sum += x.at(j);
+        squares += x.at(j) * x.at(j);
+      }
+      EXPECT_NEAR(k.sum(x.data(), n), sum, sum_tolerance(n) * sum_abs(x, 0.0, 1));
+      EXPECT_NEAR(k.sum_squares[0](x.data(), n, 123.0f), squares,
+                  sum_tolerance(n) * squares) << "the uncentered variant ignores center";
+      const float center = static_cast<float>(sum / static_cast<double>(n)) + 0.25f;
+      double centered = 0.0;
+      for (std::int64_t j = 0; j < n; ++j) centered += (x.at(j) - center) * (x.at(j) - center);
+      EXPECT_NEAR(k.sum_squares[1](x.data(), n, center), centered,
+                  2 * sum_tolerance(n) * sum_abs(x, center, 2))
+          << "padding lanes must not count (0 - center)^2";
+    }
+  }
+}
+
+TEST_P(RowKernelTest, AddResidualRoundsOnceAndStaysInTheRow) {
+  for (const TargetKernels& t : targets()) {
+    const DTypeKernels& k = t.kernels.by_dtype[static_cast<int>(dtype())];
+    for (const std::int64_t n : kLengths) {
+      SCOPED_TRACE(::testing::Message() << t.name << ", n " << n);
+      Rng rng(seed_for(current_test_name(), static_cast<int>(n)));
+      Buffer x = Buffer::vector_of(dtype(), n), residual = Buffer::vector_of(dtype(), n);
+      fill_wide_range(x, rng);
+      fill_wide_range(residual, rng);
+      std::vector<float> expected(static_cast<std::size_t>(n));
+      double squares = 0.0;
+      for (std::int64_t j = 0; j < n; ++j) {
+        const float s = static_cast<float>(x.at(j)) + static_cast<float>(residual.at(j));
+        expected[j] = detail::round_to_dtype(s, dtype());
+        squares += double{expected[j]} * expected[j];
+      }
+      const float got = k.add_residual(x.data(), residual.data(), n);
+      EXPECT_TRUE(residual.check_written("residual"));
+      for (std::int64_t j = 0; j < n; ++j) {
+        ASSERT_EQ(residual.at(j), expected[j]) << "element " << j;
+      }
+      EXPECT_NEAR(got, squares, sum_tolerance(n) * squares);
+    }
+  }
+}
+
+// y = (x - mean) * rstd [* w] [+ b], each step an fp32 operation, rounded once: bit-exact.
+// (A compiler may contract the last multiply-add into an FMA; both roundings are accepted.)
+TEST_P(RowKernelTest, NormalizeIsExactAfterRounding) {
+  for (const TargetKernels& t : targets()) {
+    const DTypeKernels& k = t.kernels.by_dtype[static_cast<int>(dtype())];
+    for (const std::int64_t n : kLengths) {
+      Rng rng(seed_for(current_test_name(), static_cast<int>(n)));
+      Buffer x = Buffer::vector_of(dtype(), n);
+      fill_wide_range(x, rng);
+      Buffer w = Buffer::vector_of(DType::kFloat32, n), b = Buffer::vector_of(DType::kFloat32, n);
+      fill_normal(w, rng, 1.0, 0.5);
+      fill_normal(b, rng, 0.0, 1.0);
+      const float mean = 0.375f, rstd = 1.4375f;
+      for (const StoreMode mode : store_modes()) {
+      for (int c = 0; c < 2; ++c) {
+        for (int has_w = 0; has_w < 2; ++has_w) {
+          for (int has_b = 0; has_b < 2; ++has_b) {
+            SCOPED_TRACE(::testing::Message() << t.name << ", n " << n << ", stream "
+                                              << mode.stream << " at offset " << mode.offset
+                                              << ", centered " << c << ", weight " << has_w
+                                              << ", bias " << has_b);
+            Buffer y(dtype(), 1, n, n, kGuard + mode.offset);
+            k.normalize[mode.stream][c][has_w][has_b](x.data(), has_w ? w.float_data() : nullptr,
+                                         has_b ? b.float_data() : nullptr, y.data(), n,
+                                         c ? mean : 0.0f, rstd);
+            ASSERT_TRUE(y.check_written("y"));
+            for (std::int64_t j = 0; j < n; ++j) {
+              const float xv = static_cast<float>(x.at(j));
+              const float wv = static_cast<float>(w.at(j)), bv = static_cast<float>(b.at(j));
+              const float deviation = c ? xv - mean : xv;
+              const float pre = deviation * rstd;
+              float v = has_w ? pre * wv : pre;
+              float fused = v;
+              if (has_b) {
+                fused = has_w ? std::fma(pre, wv, bv) : std::fma(deviation, rstd, bv);
+                v = v + bv;
+              }
+              const float got = static_cast<float>(y.at(j));
+              const float plain = detail::round_to_dtype(v, dtype());
+              const float contracted = detail::round_to_dtype(fused, dtype());
+              ASSERT_TRUE(got == plain || got == contracted)
+                  << "element " << j << ": x " << xv << ", got " << got << ", expected " << plain
+                  << " (bits " << std::hex << y.bits(0, j) << ")";
+            }
+          }
+        }
+      }
+      }
+    }
+  }
+}
+
+TEST_P(RowKernelTest, BackwardDotsAndApply) {
+  for (const TargetKernels& t : targets()) {
+    const DTypeKernels& k = t.kernels.by_dtype[static_cast<int>(dtype())];
+    for (const std::int64_t n : kLengths) {
+      Rng rng(seed_for(current_test_name(), static_cast<int>(n)));
+      Buffer x = Buffer::vector_of(dtype(), n), dy = Buffer::vector_of(dtype(), n);
+      fill_activations(x, rng, true);
+      fill_activations(dy, rng, false);
+      Buffer w = Buffer::vector_of(DType::kFloat32, n);
+      fill_normal(w, rng, 1.0, 0.5);
+      const float mean = 0.125f, rstd = 0.8125f, mean_g = -0.0625f, mean_g_xhat = 0.1875f;
+      for (int c = 0; c < 2; ++c) {
+        for (int has_w = 0; has_w < 2; ++has_w) {
+          SCOPED_TRACE(::testing::Message() << t.name << ", n " << n << ", centered " << c
+                                            << ", weight " << has_w);
+          const double m = c ? mean : 0.0;
+          double sum_g_xhat = 0.0, sum_g = 0.0, abs_g_xhat = 0.0, abs_g = 0.0;
+          for (std::int64_t j = 0; j < n; ++j) {
+            const double g = dy.at(j) * (has_w ? w.at(j) : 1.0);
+            const double xhat = (x.at(j) - m) * rstd;
+            sum_g_xhat += g * xhat;
+            sum_g += g;
+            abs_g_xhat += std::fabs(g * xhat);
+            abs_g += std::fabs(g);
+          }
+          float got_g_xhat = -1.0f, got_g = -1.0f;
+          k.backward_dots[c][has_w](dy.data(), x.data(), has_w ? w.float_data() : nullptr, n,
+                                    c ? mean : 0.0f, rstd, &got_g_xhat, &got_g);
+          EXPECT_NEAR(got_g_xhat, sum_g_xhat, 2 * sum_tolerance(n) * abs_g_xhat);
+          if (c) {
+            EXPECT_NEAR(got_g, sum_g, sum_tolerance(n) * abs_g);
+          } else {
+            EXPECT_EQ(got_g, 0.0f);
+          }
+
+          for (const StoreMode mode : store_modes()) {
+          for (int want_dw = 0; want_dw <= has_w; ++want_dw) {
+            for (int want_db = 0; want_db <= c; ++want_db) {
+              SCOPED_TRACE(::testing::Message() << "stream " << mode.stream << " at offset "
+                                                << mode.offset << ", dw " << want_dw
+                                                << ", db " << want_db);
+              Buffer dx(dtype(), 1, n, n, kGuard + mode.offset);
+              Buffer dw_acc = Buffer::vector_of(DType::kFloat32, n);
+              Buffer db_acc = Buffer::vector_of(DType::kFloat32, n);
+              fill_normal(dw_acc, rng, 0.0, 1.0);
+              fill_normal(db_acc, rng, 0.0, 1.0);
+              const std::vector<double> dw_start = dw_acc.values(), db_start = db_acc.values();
+              const auto dw_before = dw_acc.snapshot(), db_before = db_acc.snapshot();
+              k.backward_apply[mode.stream][c][has_w][want_dw][want_db](
+                  dy.data(), x.data(), has_w ? w.float_data() : nullptr, dx.data(),
+                  want_dw ? dw_acc.float_data() : nullptr, want_db ? db_acc.float_data() : nullptr,
+                  n, c ? mean : 0.0f, rstd, c ? mean_g : 0.0f, mean_g_xhat);
+              ASSERT_TRUE(dx.check_written("dx"));
+              for (std::int64_t j = 0; j < n; ++j) {
+                const double g = dy.at(j) * (has_w ? w.at(j) : 1.0);
+                const double xhat = (x.at(j) - m) * rstd;
+                const double expected = rstd * (g - (c ? mean_g : 0.0) - xhat * mean_g_xhat);
+                const double scale = rstd * (std::fabs(g) + std::fabs(mean_g) +
+                                             std::fabs(xhat * mean_g_xhat));
+                ASSERT_NEAR(dx.at(j), expected, tolerance(dtype()) * scale) << "dx " << j;
+                if (want_dw) {
+                  ASSERT_NEAR(dw_acc.at(j), dw_start[j] + dy.at(j) * xhat,
+                              4 * 0x1p-24 * (std::fabs(dw_start[j]) + std::fabs(dy.at(j) * xhat)))
+                      << "dw " << j;
+                }
+                if (want_db) {
+                  ASSERT_NEAR(db_acc.at(j), db_start[j] + dy.at(j),
+                              2 * 0x1p-24 * (std::fabs(db_start[j]) + std::fabs(dy.at(j))))
+                      << "db " << j;
+                }
+              }
+              if (want_dw) {
+                EXPECT_TRUE(dw_acc.check_guards("dw_acc"));
+              } else {
+                EXPECT_TRUE(dw_acc.check_unchanged("dw_acc", dw_before));
+              }
+              if (want_db) {
+                EXPECT_TRUE(db_acc.check_guards("db_acc"));
+              } else {
+                EXPECT_TRUE(db_acc.check_unchanged("db_acc", db_before));
+              }
+            }
+          }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Inf and NaN survive the dtype's load and store on every target: in the vector body and in
+// the staged tail. (A conversion that clamps the exponent turns them into finite numbers.)
+TEST_P(RowKernelTest, InfAndNanSurviveLoadAndStore) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  for (const TargetKernels& t : targets()) {
+    const DTypeKernels& k = t.kernels.by_dtype[static_cast<int>(dtype())];
+    for (const std::int64_t n : {std::int64_t{1}, std::int64_t{5}, std::int64_t{33}}) {
+      for (const std::int64_t at : {std::int64_t{0}, n - 1}) {
+        for (const double special : {kInf, -kInf, kNaN}) {
+          SCOPED_TRACE(::testing::Message() << t.name << ", n " << n << ", " << special
+                                            << " at " << at);
+          Buffer x = Buffer::vector_of(dtype(), n);
+          x.fill([&](std::int64_t, std::int64_t j) { return j == at ? special : 1.5; });
+          const float sum = k.sum(x.data(), n);
+          if (std::isnan(special)) {
+            EXPECT_TRUE(std::isnan(sum)) << sum;
+          } else {
+            EXPECT_EQ(sum, static_cast<float>(special)) << "load";
+          }
+          EXPECT_FALSE(std::isfinite(k.sum_squares[0](x.data(), n, 0.0f)));
+          Buffer y = Buffer::vector_of(dtype(), n);
+          k.normalize[0][0][0][0](x.data(), nullptr, nullptr, y.data(), n, 0.0f, 2.0f);
+          EXPECT_TRUE(y.check_written("y"));
+          for (std::int64_t j = 0; j < n; ++j) {
+            if (j != at) {
+              EXPECT_EQ(y.at(j), 3.0) << j;
+            } else if (std::isnan(special)) {
+              EXPECT_TRUE(std::isnan(y.at(j))) << "store of NaN gave " << y.at(j);
+            } else {
+              EXPECT_EQ(y.at(j), special) << "store of " << special;
+            }
+          }
+          // Finite values beyond the dtype's range overflow to Inf when stored.
+          if (dtype() != DType::kFloat32) {
+            const double big = dtype() == DType::kFloat16 ? 60000.0 : 3e38;
+            Buffer b = Buffer::vector_of(dtype(), n);
+            b.fill([&](std::int64_t, std::int64_t) { return big; });
+            k.normalize[1][0][0][0](b.data(), nullptr, nullptr, y.data(), n, 0.0f, 4.0f);
+            EXPECT_EQ(y.at(at), kInf) << "overflowing store";
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDTypes, RowKernelTest, ::testing::ValuesIn(kAllDTypes),
+                         dtype_param_name);
+
+}  // namespace
+}  // namespace fusednorm::test
