@@ -1,4 +1,5 @@
 // Public entry points: build the problem, validate it once, hand it to the backend.
+#include <limits>
 #include <string>
 
 #include "core/problem.h"
@@ -175,6 +176,10 @@ std::size_t backward_workspace_bytes(const Context& ctx, std::int64_t rows, std:
   check_context("backward_workspace_bytes", ctx);
   if (rows < 0) detail::fail("backward_workspace_bytes", "rows", "must be >= 0");
   if (cols <= 0) detail::fail("backward_workspace_bytes", "cols", "must be >= 1");
+  // The same bound as a view's: a row longer than this cannot be indexed anyway.
+  if (cols > std::numeric_limits<std::int64_t>::max() / 8 / 128) {
+    detail::fail("backward_workspace_bytes", "cols", "is larger than any valid view allows");
+  }
 #ifdef FUSEDNORM_WITH_CUDA
   if (ctx.device == Device::kCuda) return cuda::backward_workspace_bytes(rows, cols);
 #endif
