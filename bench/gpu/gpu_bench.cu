@@ -1,0 +1,198 @@
+// fusednorm on the GPU: median time of every operator x dtype x shape, CUDA events around
+// each call, L2 flushed (a 256 MB memset) before each timed call, as triton's do_bench
+// does; plus a device-to-device copy and an empty kernel measured the same way in the same
+// run. Prints CSV: impl,op,dtype,rows,cols,us,gbps,plan (copy and empty kernel as extra rows).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/scalar_convert.h"
+#include "cuda/launch_plan.h"
+#include "fusednorm/fusednorm.h"
+
+namespace {
+
+using namespace fusednorm;
+
+#define CHECK(expr)                                                                        \
+  do {                                                                                     \
+    const cudaError_t err_ = (expr);                                                       \
+    if (err_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(err_)); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+__global__ void empty_kernel() {}
+
+struct Timer {
+  void* flush = nullptr;
+  std::size_t flush_bytes = std::size_t{256} << 20;
+  int warmup = 3;
+  int reps = 15;
+  Timer() { CHECK(cudaMalloc(&flush, flush_bytes)); }
+  ~Timer() { cudaFree(flush); }
+
+  // Median microseconds of fn, each timed call preceded by an L2 flush.
+  double median_us(const std::function<void()>& fn) {
+    for (int i = 0; i < warmup; ++i) fn();
+    std::vector<cudaEvent_t> start(reps), stop(reps);
+    for (int i = 0; i < reps; ++i) {
+      CHECK(cudaEventCreate(&start[i]));
+      CHECK(cudaEventCreate(&stop[i]));
+    }
+    for (int i = 0; i < reps; ++i) {
+      CHECK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
+      CHECK(cudaEventRecord(start[i]));
+      fn();
+      CHECK(cudaEventRecord(stop[i]));
+    }
+    CHECK(cudaDeviceSynchronize());
+    std::vector<double> us(reps);
+    for (int i = 0; i < reps; ++i) {
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, start[i], stop[i]));
+      us[i] = 1000.0 * ms;
+      cudaEventDestroy(start[i]);
+      cudaEventDestroy(stop[i]);
+    }
+    std::nth_element(us.begin(), us.begin() + reps / 2, us.end());
+    return us[reps / 2];
+  }
+};
+
+cuda::DeviceInfo device_info() {
+  int dev = 0, v = 0;
+  CHECK(cudaGetDevice(&dev));
+  cuda::DeviceInfo d;
+  cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev); d.sm_count = v;
+  cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev); d.cc_major = v;
+  cudaDeviceGetAttribute(&v, cudaDevAttrMaxThreadsPerMultiProcessor, dev); d.max_threads_per_sm = v;
+  cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); d.max_smem_per_block = v;
+  cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev); d.max_smem_per_sm = v;
+  cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, dev); d.cluster_launch = v != 0;
+  return d;
+}
+
+void fill_random(void* dev, DType dtype, std::int64_t n, unsigned seed) {
+  // Random data on a small host block, tiled over the buffer (never zeros: see METHOD.md).
+  const std::int64_t block = std::min<std::int64_t>(n, 1 << 20);
+  std::vector<unsigned char> host(static_cast<std::size_t>(block) * dtype_size(dtype));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  for (std::int64_t i = 0; i < block; ++i) detail::store_from_float(host.data(), dtype, i, dist(rng));
+  const std::size_t esize = dtype_size(dtype);
+  for (std::int64_t off = 0; off < n; off += block) {
+    const std::int64_t count = std::min(block, n - off);
+    CHECK(cudaMemcpy(static_cast<char*>(dev) + off * esize, host.data(), count * esize, cudaMemcpyHostToDevice));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int have = 0;
+  if (cudaGetDeviceCount(&have) != cudaSuccess || have == 0) {
+    std::fprintf(stderr, "gpu_bench: no CUDA device\n");
+    return 1;
+  }
+  Timer timer;
+  if (argc > 1) timer.reps = std::atoi(argv[1]);
+  const cuda::DeviceInfo dev = device_info();
+  const Context ctx{Device::kCuda, 0, nullptr};
+  std::printf("impl,op,dtype,rows,cols,us,gbps,plan\n");
+
+  // Ceilings measured in this run: a 1 GiB device-to-device copy and an empty kernel.
+  {
+    const std::size_t bytes = std::size_t{1} << 30;
+    void *a, *b;
+    CHECK(cudaMalloc(&a, bytes));
+    CHECK(cudaMalloc(&b, bytes));
+    CHECK(cudaMemset(a, 1, bytes));
+    const double us = timer.median_us([&] { CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+    std::printf("copy,copy,-,1,%zu,%.3f,%.1f,-\n", bytes, us, 2.0 * bytes / us / 1e3);
+    cudaFree(a);
+    cudaFree(b);
+    const double empty = timer.median_us([&] { empty_kernel<<<1, 32>>>(); });
+    std::printf("empty_kernel,launch,-,1,1,%.3f,0,-\n", empty);
+  }
+
+  const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {
+      {1, 4096}, {512, 4096}, {4096, 4096}, {16384, 4096}, {32768, 8192},
+      {65536, 128}, {4096, 16384}, {1024, 65536}, {256, 262144}};
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    const std::size_t es = dtype_size(dt);
+    for (const auto& [rows, cols] : shapes) {
+      const std::int64_t n = rows * cols;
+      void *x, *y, *r, *dy, *w, *b, *dw, *db, *ws;
+      float *mean, *rstd;
+      CHECK(cudaMalloc(&x, n * es));
+      CHECK(cudaMalloc(&y, n * es));
+      CHECK(cudaMalloc(&r, n * es));
+      CHECK(cudaMalloc(&dy, n * es));
+      CHECK(cudaMalloc(&w, cols * es));
+      CHECK(cudaMalloc(&b, cols * es));
+      CHECK(cudaMalloc(&dw, cols * es));
+      CHECK(cudaMalloc(&db, cols * es));
+      CHECK(cudaMalloc(&mean, rows * 4));
+      CHECK(cudaMalloc(&rstd, rows * 4));
+      const std::size_t ws_bytes = backward_workspace_bytes(ctx, rows, cols);
+      CHECK(cudaMalloc(&ws, ws_bytes));
+      fill_random(x, dt, n, 1);
+      fill_random(r, dt, n, 2);
+      fill_random(dy, dt, n, 3);
+      fill_random(w, dt, cols, 4);
+      fill_random(b, dt, cols, 5);
+
+      const ConstMatrix xm = const_matrix(x, dt, rows, cols);
+      const Matrix ym = matrix(y, dt, rows, cols);
+      const ConstVector wv{w, dt, cols}, bv{b, dt, cols};
+      const double io = static_cast<double>(n) * es;  // bytes of one rows x cols stream
+      const double pv = static_cast<double>(cols) * es;
+
+      cuda::ProblemShape s{rows, cols, static_cast<int>(es), cols % cuda::full_vector(static_cast<int>(es)) == 0, 0};
+      const cuda::LaunchPlan fp = cuda::plan_forward(s, dev);
+      s.accumulators = 1;
+      const cuda::LaunchPlan rb = cuda::plan_backward(s, dev);
+      s.accumulators = 2;
+      const cuda::LaunchPlan lb = cuda::plan_backward(s, dev);
+      auto plan_name = [](const cuda::LaunchPlan& p) {
+        return std::string(cuda::kernel_kind_name(p.kind)) + "/v" + std::to_string(p.vec) + "k" +
+               std::to_string(p.vecs_per_thread) + "t" + std::to_string(p.team_threads) + "x" +
+               std::to_string(p.rows_per_cta) + "c" + std::to_string(p.cluster_size) + "g" + std::to_string(p.grid);
+      };
+      auto report = [&](const char* op, double bytes, const cuda::LaunchPlan& plan, const std::function<void()>& fn) {
+        const double us = timer.median_us(fn);
+        CHECK(cudaGetLastError());
+        std::printf("fusednorm,%s,%s,%lld,%lld,%.3f,%.1f,%s\n", op, dtype_name(dt), static_cast<long long>(rows),
+                    static_cast<long long>(cols), us, bytes / us / 1e3, plan_name(plan).c_str());
+        std::fflush(stdout);
+      };
+      report("rms_norm", 2 * io + pv, fp, [&] { rms_norm(ctx, xm, wv, ym, rstd); });
+      report("fused_add_rms_norm", 4 * io + pv, fp,
+             [&] { fused_add_rms_norm(ctx, xm, matrix(r, dt, rows, cols), wv, ym, rstd); });
+      report("layer_norm", 2 * io + 2 * pv, fp, [&] { layer_norm(ctx, xm, wv, bv, ym, mean, rstd); });
+      // Backward with the forward's statistics, as autograd calls it: dx and dw (db).
+      rms_norm(ctx, xm, wv, ym, rstd);
+      report("rms_norm_backward", 3 * io + 2 * pv, rb, [&] {
+        rms_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, rstd, ym, {dw, dt, cols}, {}, {ws, ws_bytes});
+      });
+      layer_norm(ctx, xm, wv, bv, ym, mean, rstd);
+      report("layer_norm_backward", 3 * io + 3 * pv, lb, [&] {
+        layer_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, mean, rstd, ym, {dw, dt, cols},
+                            {db, dt, cols}, {}, {ws, ws_bytes});
+      });
+      for (void* p : {x, y, r, dy, w, b, dw, db, ws}) cudaFree(p);
+      cudaFree(mean);
+      cudaFree(rstd);
+    }
+  }
+  return 0;
+}

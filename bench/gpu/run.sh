@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# fusednorm on the device machine (H200): build, CUDA correctness tests, then one table of
+# every op x dtype x shape for fusednorm and its peers, each as a % of a device-to-device
+# copy measured in the same run. Full CSV and logs go to $OUT. Budget: < 5 minutes.
+#
+#   bench/gpu/run.sh            from the repository root (or anywhere: it cds there)
+#
+# Steps and rough time limits (the whole script is meant to end well inside 5 minutes):
+#   1. configure + build gpu_bench and the CUDA tests, sm_90 only, -j16
+#   2. ctest: launch-planner tests and GPU correctness tests (C++); the CUDA pytest subset
+#      when the Python package is importable
+#   3. gpu_bench (fusednorm, CUDA events, L2 flushed) -> $OUT/fusednorm.csv
+#   4. peers.py (torch, torch.compile, F.layer_norm, Liger if importable) -> $OUT/bench.csv,
+#      table on stdout and in $OUT/table.txt
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/fusednorm-gpu-bench}
+mkdir -p "$OUT"
+BUILD=build-gpu
+export PATH=/usr/local/cuda/bin:$PATH
+export PYTHONUNBUFFERED=1
+t0=$SECONDS
+stamp() { echo "== [$((SECONDS - t0)) s] $*"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+
+# Highway / GoogleTest: carried prefix from bench/gpu/pack_deps.sh when the image lacks them.
+cmake_extra=()
+if [ -d build-deps/usr ]; then
+  cmake_extra+=("-DCMAKE_PREFIX_PATH=$PWD/build-deps/usr")
+  export LD_LIBRARY_PATH=$PWD/build-deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+fi
+generator=()
+command -v ninja > /dev/null && generator=(-G Ninja)
+
+stamp "configure"
+if ! cmake -S bench/gpu -B "$BUILD" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DFUSEDNORM_CUDA=ON "${cmake_extra[@]}" > "$OUT/configure.log" 2>&1; then
+  tail -40 "$OUT/configure.log"; echo "configure FAILED"; exit 1
+fi
+stamp "build"
+if ! cmake --build "$BUILD" -j16 --target gpu_bench fusednorm_cuda_tests fusednorm_cuda_plan_tests \
+    > "$OUT/build.log" 2>&1; then
+  grep -E "error|Error" "$OUT/build.log" | head -40; echo "build FAILED"; exit 1
+fi
+
+stamp "ctest (planner + GPU correctness)"
+ctest --test-dir "$BUILD/fusednorm" -R "LaunchPlan|Cuda" --output-on-failure --timeout 240 \
+  > "$OUT/ctest.log" 2>&1
+ctest_rc=$?
+grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | head -30
+
+if python3 -c "import fusednorm, torch; assert torch.cuda.is_available()" 2> /dev/null && [ -d python ]; then
+  stamp "pytest (CUDA subset)"
+  python3 -m pytest -q -x -k cuda python > "$OUT/pytest.log" 2>&1
+  tail -5 "$OUT/pytest.log"
+else
+  echo "pytest: fusednorm Python package not importable here: CUDA pytest subset skipped"
+fi
+
+stamp "gpu_bench"
+if ! "$BUILD/gpu_bench" > "$OUT/fusednorm.csv" 2> "$OUT/gpu_bench.err"; then
+  cat "$OUT/gpu_bench.err"; echo "gpu_bench FAILED"
+fi
+stamp "peers"
+python3 bench/gpu/peers.py "$OUT/fusednorm.csv" "$OUT/bench.csv" --budget 120 \
+  2> "$OUT/peers.err" | tee "$OUT/table.txt"
+grep -v "^peers: liger\|^peers: fusednorm" "$OUT/peers.err" | tail -5
+stamp "done (ctest exit $ctest_rc); CSV: $OUT/bench.csv"
+exit $ctest_rc

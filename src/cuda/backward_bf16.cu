@@ -1,0 +1,5 @@
+// Backward kernels for __nv_bfloat16 (one translation unit per dtype and direction keeps builds parallel).
+#include "cuda/norm_launch.cuh"
+
+template cudaError_t fusednorm::cuda::launch_backward<__nv_bfloat16>(const LaunchPlan&, const BackwardArgs&,
+                                                          const BackwardOutputs&, cudaStream_t);

@@ -1,0 +1,5 @@
+// Backward kernels for __half (one translation unit per dtype and direction keeps builds parallel).
+#include "cuda/norm_launch.cuh"
+
+template cudaError_t fusednorm::cuda::launch_backward<__half>(const LaunchPlan&, const BackwardArgs&,
+                                                          const BackwardOutputs&, cudaStream_t);

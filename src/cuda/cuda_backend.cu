@@ -1,0 +1,182 @@
+// The CUDA backend's entry points: problem -> kernel arguments, the launch plan, and the
+// one place where the runtime dtype becomes a template argument (dispatch_dtype).
+#include "cuda/cuda_backend.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "cuda/kernel_args.h"
+#include "cuda/launch_plan.h"
+#include "cuda/launchers.h"
+
+namespace fusednorm::cuda {
+namespace {
+
+using detail::BackwardProblem;
+using detail::ForwardProblem;
+using detail::NormKind;
+
+[[noreturn]] void throw_cuda(const char* op, const char* what, cudaError_t err) {
+  throw Error(std::string("fusednorm::") + op + ": " + what + ": " + cudaGetErrorName(err) + ": " +
+              cudaGetErrorString(err));
+}
+
+void check(const char* op, const char* what, cudaError_t err) {
+  if (err != cudaSuccess) throw_cuda(op, what, err);
+}
+
+// Device attributes, read once per device (cudaDeviceGetAttribute does not synchronise).
+DeviceInfo device_info(const char* op) {
+  int device = 0;
+  check(op, "cudaGetDevice", cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = cache.find(device); it != cache.end()) return it->second;
+  auto attribute = [&](cudaDeviceAttr attr) {
+    int value = 0;
+    check(op, "cudaDeviceGetAttribute", cudaDeviceGetAttribute(&value, attr, device));
+    return value;
+  };
+  DeviceInfo info;
+  info.sm_count = attribute(cudaDevAttrMultiProcessorCount);
+  info.cc_major = attribute(cudaDevAttrComputeCapabilityMajor);
+  info.max_threads_per_sm = attribute(cudaDevAttrMaxThreadsPerMultiProcessor);
+  info.max_smem_per_block = attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  info.max_smem_per_sm = attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
+  info.cluster_launch = attribute(cudaDevAttrClusterLaunch) != 0;
+  cache.emplace(device, info);
+  return info;
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// The one runtime-dtype -> template-argument dispatch of the backend.
+template <typename Fn>
+cudaError_t dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: return fn(TypeTag<float>{});
+    case DType::kFloat16: return fn(TypeTag<__half>{});
+    case DType::kBFloat16: return fn(TypeTag<__nv_bfloat16>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+OutDType out_dtype(DType dtype) { return static_cast<OutDType>(static_cast<int>(dtype)); }
+
+}  // namespace
+
+std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
+  return backward_workspace_bytes_for(rows, cols);
+}
+
+void forward(const char* op, const ForwardProblem& p, void* stream) {
+  if (p.rows() == 0) return;
+  const int esize = static_cast<int>(dtype_size(p.x.dtype));
+  ProblemShape shape;
+  shape.rows = p.rows();
+  shape.cols = p.cols();
+  shape.elem_bytes = esize;
+  shape.vector_aligned =
+      can_vectorize(esize, p.cols(), {p.x.data, p.residual.data, p.y.data, p.weight.data, p.bias.data},
+                    {p.x.row_stride, p.has_residual() ? p.residual.row_stride : 0, p.y.row_stride});
+  const LaunchPlan plan = plan_forward(shape, device_info(op));
+
+  ForwardArgs a = {};
+  a.centered = p.kind == NormKind::kLayer;
+  a.x = p.x.data;
+  a.x_stride = p.x.row_stride;
+  a.residual = p.has_residual() ? p.residual.data : nullptr;
+  a.residual_stride = p.residual.row_stride;
+  a.y = p.y.data;
+  a.y_stride = p.y.row_stride;
+  a.weight = p.weight.data;
+  a.weight_f32 = p.weight.dtype == DType::kFloat32;
+  a.bias = p.bias.data;
+  a.bias_f32 = p.bias.dtype == DType::kFloat32;
+  a.mean = p.mean;
+  a.rstd = p.rstd;
+  a.rows = p.rows();
+  a.cols = p.cols();
+  a.eps = p.eps;
+  a.weight_offset = p.kind == NormKind::kRms ? p.weight_offset : 0.0f;
+
+  const auto s = static_cast<cudaStream_t>(stream);
+  check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {
+          return launch_forward<typename decltype(tag)::type>(plan, a, s);
+        }));
+}
+
+void backward(const char* op, const BackwardProblem& p, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  const bool want_dw = p.dw.data != nullptr;
+  const bool want_db = p.db.data != nullptr;
+  if (p.rows() == 0) {
+    // Sums over no rows: zero bits are 0.0 in every dtype.
+    if (want_dw) check(op, "cudaMemsetAsync(dw)", cudaMemsetAsync(p.dw.data, 0, p.dw.size * dtype_size(p.dw.dtype), s));
+    if (want_db) check(op, "cudaMemsetAsync(db)", cudaMemsetAsync(p.db.data, 0, p.db.size * dtype_size(p.db.dtype), s));
+    return;
+  }
+  if (p.dx.data == nullptr && !want_dw && !want_db) return;
+
+  const int esize = static_cast<int>(dtype_size(p.x.dtype));
+  ProblemShape shape;
+  shape.rows = p.rows();
+  shape.cols = p.cols();
+  shape.elem_bytes = esize;
+  shape.vector_aligned =
+      can_vectorize(esize, p.cols(), {p.dy.data, p.x.data, p.dx.data, p.weight.data},
+                    {p.dy.row_stride, p.x.row_stride, p.dx.data != nullptr ? p.dx.row_stride : 0});
+  // Must match the launcher's kernel variant (BackwardVariant::kDw / kDb).
+  const bool accumulate = want_dw || want_db;
+  shape.accumulators = accumulate ? (p.weight.data != nullptr ? 1 : 0) + (p.kind == NormKind::kLayer ? 1 : 0) : 0;
+  const LaunchPlan plan = plan_backward(shape, device_info(op));
+
+  BackwardArgs a = {};
+  a.centered = p.kind == NormKind::kLayer;
+  a.dy = p.dy.data;
+  a.dy_stride = p.dy.row_stride;
+  a.x = p.x.data;
+  a.x_stride = p.x.row_stride;
+  a.weight = p.weight.data;
+  a.weight_f32 = p.weight.dtype == DType::kFloat32;
+  a.mean = p.kind == NormKind::kLayer ? p.mean : nullptr;
+  a.rstd = p.rstd;
+  a.dx = p.dx.data;
+  a.dx_stride = p.dx.row_stride;
+  a.rows = p.rows();
+  a.cols = p.cols();
+  a.eps = p.eps;
+  a.weight_offset = p.kind == NormKind::kRms ? p.weight_offset : 0.0f;
+
+  if (want_dw || want_db) {
+    const WorkspaceLayout layout = workspace_layout(p.rows(), p.cols());
+    if (p.workspace.data == nullptr || p.workspace.bytes < layout.total_bytes) {
+      detail::fail(op, "workspace",
+                   std::to_string(p.workspace.data == nullptr ? 0 : p.workspace.bytes) + " bytes given, " +
+                       std::to_string(layout.total_bytes) +
+                       " bytes needed (see backward_workspace_bytes); CUDA calls never allocate");
+    }
+    const auto start = reinterpret_cast<std::uintptr_t>(p.workspace.data);
+    char* base = reinterpret_cast<char*>((start + 255) / 256 * 256);
+    a.dw_partial = want_dw ? reinterpret_cast<float*>(base + layout.dw_offset) : nullptr;
+    a.db_partial = want_db ? reinterpret_cast<float*>(base + layout.db_offset) : nullptr;
+    a.coef = reinterpret_cast<float*>(base + layout.coef_offset);
+  }
+  const BackwardOutputs out = {p.dw.data, out_dtype(p.dw.dtype), p.db.data, out_dtype(p.db.dtype)};
+
+  check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {
+          return launch_backward<typename decltype(tag)::type>(plan, a, out, s);
+        }));
+}
+
+}  // namespace fusednorm::cuda

@@ -1,0 +1,4 @@
+// Forward kernels for __nv_bfloat16 (one translation unit per dtype and direction keeps builds parallel).
+#include "cuda/norm_launch.cuh"
+
+template cudaError_t fusednorm::cuda::launch_forward<__nv_bfloat16>(const LaunchPlan&, const ForwardArgs&, cudaStream_t);

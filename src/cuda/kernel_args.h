@@ -1,0 +1,54 @@
+// Arguments of the CUDA kernels: device pointers and scalars of one call, passed by value.
+// Plain C++ so that the host side (cuda_backend.cu) needs no kernel headers.
+#pragma once
+
+#include <cstdint>
+
+namespace fusednorm::cuda {
+
+// Device pointers and scalars of one forward call, passed by value to every kernel.
+struct ForwardArgs {
+  bool centered;  // LayerNorm
+  const void* x;
+  std::int64_t x_stride;
+  void* residual;  // fused add only
+  std::int64_t residual_stride;
+  void* y;
+  std::int64_t y_stride;
+  const void* weight;  // nullable; x's dtype or fp32
+  bool weight_f32;
+  const void* bias;  // nullable (LayerNorm); x's dtype or fp32
+  bool bias_f32;
+  float* mean;  // nullable
+  float* rstd;  // nullable
+  std::int64_t rows;
+  std::int64_t cols;
+  float eps;
+  float weight_offset;
+};
+
+struct BackwardArgs {
+  bool centered;  // LayerNorm
+  const void* dy;
+  std::int64_t dy_stride;
+  const void* x;
+  std::int64_t x_stride;
+  const void* weight;  // nullable; x's dtype or fp32
+  bool weight_f32;
+  const float* mean;  // nullable: recomputed from x (LayerNorm: given with rstd or not at all)
+  const float* rstd;  // nullable: recomputed from x
+  void* dx;           // nullable: dx not wanted; may equal dy (same view)
+  std::int64_t dx_stride;
+  float* dw_partial;  // nullable: [partial_slots][cols]
+  float* db_partial;  // nullable: [partial_slots][cols]
+  float* coef;  // two-pass path: per row {mean, rstd, mean(g), mean(g * x_hat)}, 16-byte aligned
+  std::int64_t rows;
+  std::int64_t cols;
+  float eps;
+  float weight_offset;
+};
+
+// Matches fusednorm::DType's values.
+enum class OutDType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+}  // namespace fusednorm::cuda

@@ -1,0 +1,123 @@
+// The CUDA launch planner: from a problem's shape, dtype and alignment and from what the
+// device offers, the kernel shape a call runs with. Plain host C++ (no CUDA headers), so
+// that every choice is unit-tested on machines without a GPU (tests/cuda/).
+//
+// Kernel kinds, by row length D (the thresholds come from register and shared-memory
+// capacity, not from tuning constants; see plan_forward / plan_backward):
+//   kRowsPerCta   small D: a team of <= 32 threads per row, several rows per CTA.
+//   kRegisterRow  medium D: a team of up to 512 threads holds the row in registers, so x
+//                 is read from device memory once.
+//   kSmemRow      large D: one CTA per row, the row staged in shared memory.
+//   kClusterRow   larger than one SM's shared memory (sm_90): a thread-block cluster splits
+//                 the row, each CTA stages its slice, and the row statistics are combined
+//                 through distributed shared memory instead of a second global read.
+//   kTwoPass      everything else (sm_80 with huge D; the backward beyond register
+//                 capacity): the row is read from device memory again for each pass.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+
+namespace fusednorm::cuda {
+
+enum class KernelKind : std::uint8_t {
+  kRowsPerCta,
+  kRegisterRow,
+  kSmemRow,
+  kClusterRow,
+  kTwoPass,
+};
+const char* kernel_kind_name(KernelKind kind);
+
+// What the planner needs to know about the device. The backend fills it from
+// cudaDeviceGetAttribute; tests fill it by hand.
+struct DeviceInfo {
+  int sm_count = 132;
+  int cc_major = 9;
+  int max_threads_per_sm = 2048;
+  std::int64_t max_smem_per_block = 227 * 1024;  // opt-in limit of dynamic shared memory
+  std::int64_t max_smem_per_sm = 228 * 1024;
+  bool cluster_launch = true;  // thread-block clusters with distributed shared memory
+
+  static DeviceInfo h200() { return {}; }
+  static DeviceInfo a100() { return {108, 8, 2048, 163 * 1024, 164 * 1024, false}; }
+};
+
+struct ProblemShape {
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  int elem_bytes = 2;           // bytes of one element of x (2 or 4)
+  bool vector_aligned = false;  // see can_vectorize()
+  int accumulators = 0;  // backward: fp32 column sums each thread keeps (dw: 1, dw and db: 2)
+};
+
+struct LaunchPlan {
+  KernelKind kind = KernelKind::kTwoPass;
+  int vec = 1;                // elements per memory access (16 bytes, or 1 when unaligned)
+  int vecs_per_thread = 0;    // register kinds: vectors of a row each thread holds (1, 2, 4)
+  int team_threads = 0;       // threads sharing one row (per CTA for kClusterRow)
+  int rows_per_cta = 1;
+  int threads_per_cta = 0;    // team_threads * rows_per_cta (two-pass backward: tile kernel)
+  int cluster_size = 1;
+  std::int64_t slice_vecs = 0;  // kSmemRow / kClusterRow: vectors of a row one CTA stages
+  std::int64_t smem_bytes = 0;  // dynamic shared memory per CTA
+  std::int64_t grid = 0;        // CTAs (a multiple of cluster_size); kernels loop over rows
+
+  // Backward only. dw / db partial sums: `partial_slots` rows of `cols` fp32 each in the
+  // workspace, summed in slot order by the finishing kernel (deterministic, no atomics).
+  std::int64_t partial_slots = 0;
+  // kTwoPass backward: grid of the column-tile kernel is col_tiles x row_blocks; the
+  // per-row coefficient kernel runs `grid` CTAs of coef_threads.
+  std::int64_t col_tiles = 0;
+  std::int64_t row_blocks = 0;
+  std::int64_t rows_per_block = 0;
+  int coef_threads = 0;
+  // Finishing kernel: CTAs of 32 columns x finish_lanes slot lanes.
+  int finish_lanes = 0;
+};
+
+// Backward register kernels: at most 32 fp32 accumulators per thread (dw / db over the
+// thread's columns) beside dy and x, or ptxas spills at 128 registers (measured: LayerNorm
+// bf16 with dw and db at 4 vectors of 8 spilled 104 bytes).
+constexpr int backward_max_vecs_per_thread(int accumulators, int vec) {
+  return accumulators * vec * 4 <= 32 ? 4 : 2;
+}
+
+// Elements per 16-byte access for the element size.
+constexpr int full_vector(int elem_bytes) { return 16 / elem_bytes; }
+
+// 16-byte accesses are possible when every address is 16-byte aligned, every row stride
+// (in elements) keeps rows 16-byte aligned, and D is a whole number of vectors.
+bool can_vectorize(int elem_bytes, std::int64_t cols, std::initializer_list<const void*> pointers,
+                   std::initializer_list<std::int64_t> row_strides);
+
+LaunchPlan plan_forward(const ProblemShape& shape, const DeviceInfo& device);
+LaunchPlan plan_backward(const ProblemShape& shape, const DeviceInfo& device);
+
+// The most partial-sum slots any backward plan uses for rows x cols: min(rows, 1024,
+// 2^24 / cols), at least 1. Independent of dtype and device so that the workspace size is.
+std::int64_t max_partial_slots(std::int64_t rows, std::int64_t cols);
+
+// Workspace layout of the backward (offsets in bytes from the workspace start, each
+// 256-byte aligned from the workspace pointer rounded up to 256 bytes): dw partials, db
+// partials, per-row coefficients (4 floats per row); total_bytes includes the rounding.
+struct WorkspaceLayout {
+  std::size_t dw_offset, db_offset, coef_offset, total_bytes;
+};
+WorkspaceLayout workspace_layout(std::int64_t rows, std::int64_t cols);
+std::size_t backward_workspace_bytes_for(std::int64_t rows, std::int64_t cols);
+
+// Limits the planner respects (CUDA's, and the kernels' compiled maxima).
+// 512 threads leave ptxas up to 128 registers per thread (1024 would cap it at 64 and
+// spill). The kernels say __launch_bounds__(512, 1): with the bare thread bound ptxas
+// aimed at 32 registers and spilled (nvcc 13.0).
+inline constexpr int kMaxThreadsPerCta = 512;
+inline constexpr int kMaxVecsPerThread = 4;
+inline constexpr int kMaxClusterSize = 8;  // portable cluster size
+inline constexpr std::int64_t kMaxGrid = 2147483647;
+inline constexpr std::int64_t kStaticSmemReserve = 1024;  // kernels' static shared memory
+inline constexpr int kTwoPassThreads = 512;  // two-pass forward and backward row kernels
+inline constexpr int kTileThreads = 256;     // two-pass backward column-tile kernel
+
+}  // namespace fusednorm::cuda

@@ -1,0 +1,50 @@
+// Kernel launch with optional large dynamic shared memory and thread-block clusters.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+namespace fusednorm::cuda {
+
+inline constexpr std::int64_t kDefaultSmemLimit = 48 * 1024;
+
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, std::int64_t smem,
+                          int cluster_size, cudaStream_t stream, Args&&... args) {
+  if (smem > kDefaultSmemLimit) {
+    // A host-side function attribute, not a stream operation: allowed during graph capture.
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  if (cluster_size > 1) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = static_cast<std::size_t>(smem);
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = static_cast<unsigned>(cluster_size);
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  }
+  kernel<<<grid, block, static_cast<std::size_t>(smem), stream>>>(std::forward<Args>(args)...);
+  return cudaGetLastError();
+}
+
+// Calls fn with std::integral_constant<int, v> for the run-time value among the choices.
+template <int... kChoices, typename Fn>
+cudaError_t with_int(int value, Fn&& fn) {
+  cudaError_t result = cudaErrorInvalidConfiguration;
+  ((value == kChoices ? (result = fn(std::integral_constant<int, kChoices>{}), true) : false) || ...);
+  return result;
+}
+
+}  // namespace fusednorm::cuda

@@ -1,0 +1,35 @@
+// Host launchers: one per direction, templated on the element type. Each owns the launch
+// shape (from the LaunchPlan), picks the kernel instantiation for the call's variant, and
+// returns the launch's cudaError_t. They are instantiated once per dtype in
+// forward_<dtype>.cu / backward_<dtype>.cu; the runtime dtype becomes T in cuda_backend.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/kernel_args.h"
+#include "cuda/launch_plan.h"
+
+namespace fusednorm::cuda {
+
+template <typename T>
+cudaError_t launch_forward(const LaunchPlan& plan, const ForwardArgs& args, cudaStream_t stream);
+
+// Where the finished dw / db go (nullable), in their own dtypes.
+struct BackwardOutputs {
+  void* dw;
+  OutDType dw_dtype;
+  void* db;
+  OutDType db_dtype;
+};
+
+// dst[c] = sum over slots s (in slot order) of partial[s * cols + c], rounded once to dtype.
+cudaError_t launch_finish(const LaunchPlan& plan, const float* partial, std::int64_t cols, void* dst,
+                          OutDType dtype, cudaStream_t stream);
+
+template <typename T>
+cudaError_t launch_backward(const LaunchPlan& plan, const BackwardArgs& args,
+                            const BackwardOutputs& out, cudaStream_t stream);
+
+}  // namespace fusednorm::cuda

@@ -1,0 +1,146 @@
+// Device building blocks shared by the forward and backward kernels: element conversion,
+// vector loads and stores, the weight / bias loader, and team reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fusednorm::cuda {
+
+// ---- Elements: stored as their bit patterns, converted to fp32 in registers ------------
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  using Bits = std::uint32_t;
+  static __device__ __forceinline__ float to_float(Bits b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ Bits from_float(float f) { return __float_as_uint(f); }
+};
+
+template <>
+struct Elem<__half> {
+  using Bits = std::uint16_t;
+  static __device__ __forceinline__ float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
+  static __device__ __forceinline__ Bits from_float(float f) { return __half_as_ushort(__float2half_rn(f)); }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  using Bits = std::uint16_t;
+  static __device__ __forceinline__ float to_float(Bits b) {
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  }
+  static __device__ __forceinline__ Bits from_float(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+template <int kBytes>
+struct RawWord;
+template <>
+struct RawWord<16> { using type = uint4; };
+template <>
+struct RawWord<8> { using type = uint2; };
+template <>
+struct RawWord<4> { using type = std::uint32_t; };
+template <>
+struct RawWord<2> { using type = std::uint16_t; };
+
+// kVec consecutive elements, moved as one access of kVec * sizeof(T) bytes (16 bytes when
+// vectorized) and kept packed in registers until used.
+template <typename T, int kVec>
+struct Pack {
+  using Bits = typename Elem<T>::Bits;
+  using Raw = typename RawWord<sizeof(Bits) * kVec>::type;
+  union {
+    Raw raw;
+    Bits bits[kVec];
+  };
+
+  __device__ __forceinline__ void load(const T* p) { raw = *reinterpret_cast<const Raw*>(p); }
+  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<Raw*>(p) = raw; }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) bits[i] = 0;
+  }
+  __device__ __forceinline__ float get(int i) const { return Elem<T>::to_float(bits[i]); }
+  __device__ __forceinline__ void set(int i, float f) { bits[i] = Elem<T>::from_float(f); }
+};
+
+template <typename T>
+__device__ __forceinline__ const T* row_ptr(const void* base, std::int64_t row, std::int64_t stride) {
+  return static_cast<const T*>(base) + row * stride;
+}
+template <typename T>
+__device__ __forceinline__ T* row_ptr(void* base, std::int64_t row, std::int64_t stride) {
+  return static_cast<T*>(base) + row * stride;
+}
+
+// kVec weight (or bias) values from column `col` on, as fp32 plus `offset`. The parameter
+// is x's dtype or fp32; that choice is a warp-uniform branch rather than a template
+// argument, which halves the kernel instantiations at the cost of one predicate per load.
+template <typename T, int kVec>
+__device__ __forceinline__ void load_param(const void* p, bool is_f32, std::int64_t col, float offset,
+                                           float (&out)[kVec]) {
+  if (is_f32) {
+    const float* f = static_cast<const float*>(p) + col;
+    constexpr int kPiece = kVec < 4 ? kVec : 4;  // 16-byte pieces of fp32
+#pragma unroll
+    for (int h = 0; h < kVec / kPiece; ++h) {
+      Pack<float, kPiece> pk;
+      pk.load(f + h * kPiece);
+#pragma unroll
+      for (int i = 0; i < kPiece; ++i) out[h * kPiece + i] = pk.get(i) + offset;
+    }
+  } else {
+    Pack<T, kVec> pk;
+    pk.load(static_cast<const T*>(p) + col);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] = pk.get(i) + offset;
+  }
+}
+
+// ---- Reductions ------------------------------------------------------------------------
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Sums kN values over a team of `team` threads and gives every team member the totals.
+// A team of <= 32 threads is an aligned group of lanes of one warp (team a power of two);
+// a larger one is blockDim.x == team whole warps, one team per threadIdx.y. All threads
+// of the CTA must call this together. The order of additions is fixed by the team size,
+// so results are reproducible run to run; the xor butterfly gives all lanes the same bits
+// (each step adds the same two values, commutatively). `scratch` holds 32 * kN floats.
+// (cub::WarpReduce returns the total in lane 0 only and fixes the width at compile time;
+// the team width here is a run-time choice of the planner.)
+template <int kN>
+__device__ __forceinline__ void team_sum(float (&v)[kN], int team, float* scratch) {
+  const int width = team < 32 ? team : 32;
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) v[k] += __shfl_xor_sync(kFullMask, v[k], offset);
+  }
+  if (team <= 32) return;
+  const int tid = threadIdx.x + threadIdx.y * blockDim.x;
+  const int warp = tid / 32;
+  __syncthreads();  // the previous call's readers are done with scratch
+  if (tid % 32 == 0) {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) scratch[k * 32 + warp] = v[k];
+  }
+  __syncthreads();
+  const int warps = team / 32;
+  const int first = threadIdx.y * warps;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += scratch[k * 32 + first + w];
+    v[k] = total;
+  }
+}
+
+}  // namespace fusednorm::cuda

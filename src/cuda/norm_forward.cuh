@@ -1,0 +1,280 @@
+// Forward kernels: RMSNorm (optionally with the fused residual add) and LayerNorm.
+//
+// Numerics, as on the CPU: elements are widened to fp32, sums are fp32, eps is added in
+// fp32, rstd = rsqrtf(mean square + eps), and every output element is rounded once (to
+// nearest even) at the store. The fused add stores residual = round(x + residual) and
+// normalizes that stored value.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include <cstdint>
+
+#include "cuda/kernel_args.h"
+#include "cuda/launch_plan.h"
+#include "cuda/norm_common.cuh"
+
+namespace fusednorm::cuda {
+
+// What a forward kernel computes, fixed at compile time: a missing weight or bias is a
+// kernel of its own rather than a per-element branch.
+template <bool kCentered_, bool kResidual_, bool kWeight_, bool kBias_>
+struct ForwardVariant {
+  static constexpr bool kCentered = kCentered_;  // LayerNorm (subtract the mean)
+  static constexpr bool kResidual = kResidual_;  // fused residual add (RMSNorm)
+  static constexpr bool kWeight = kWeight_;
+  static constexpr bool kBias = kBias_;
+};
+
+// The elementwise output of a normalized row: (x - mean) * rstd [* w] [+ b].
+template <typename V, typename T, int kVec>
+__device__ __forceinline__ void normalize_store(const Pack<T, kVec>& v, const float (&w)[kVec],
+                                                const float (&b)[kVec], float mean, float rstd,
+                                                T* dst) {
+  Pack<T, kVec> out;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    float o = (V::kCentered ? v.get(i) - mean : v.get(i)) * rstd;
+    if constexpr (V::kWeight) o *= w[i];
+    if constexpr (V::kBias) o += b[i];
+    out.set(i, o);
+  }
+  out.store(dst);
+}
+
+// residual <- round(x + residual); v becomes the stored (rounded) residual.
+template <typename T, int kVec>
+__device__ __forceinline__ void add_residual(Pack<T, kVec>& v, Pack<T, kVec>& r, T* dst) {
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) r.set(i, v.get(i) + r.get(i));
+  r.store(dst);
+  v = r;
+}
+
+// ---- Small and medium D: the row in registers ------------------------------------------
+// Block (team, rows_per_cta); each thread holds kK vectors of its row, columns
+// (threadIdx.x + k * team) * kVec. Weight and bias are re-read for every row: they stay in
+// L1 / L2, and holding them in registers across rows (up to 2 * 32 floats) made ptxas
+// spill at large kK.
+template <typename T, int kVec, int kK, typename V>
+__global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
+    norm_forward_register_kernel(const ForwardArgs a, const std::int64_t row_groups) {
+  __shared__ float scratch[32];
+  const int team = blockDim.x;
+  const std::int64_t nvec = a.cols / kVec;
+  const float cols = static_cast<float>(a.cols);
+
+  for (std::int64_t g = blockIdx.x; g < row_groups; g += gridDim.x) {
+    const std::int64_t row = g * blockDim.y + threadIdx.y;
+    const bool row_ok = row < a.rows;
+    const T* x = row_ptr<T>(a.x, row, a.x_stride);
+    T* res = V::kResidual ? row_ptr<T>(a.residual, row, a.residual_stride) : nullptr;
+
+    // All loads first, so that kK (or 2 kK) 16-byte loads are in flight per thread.
+    Pack<T, kVec> v[kK], r[kK];
+#pragma unroll
+    for (int k = 0; k < kK; ++k) {
+      const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
+      if (row_ok && j < nvec) {
+        v[k].load(x + j * kVec);
+        if constexpr (V::kResidual) r[k].load(res + j * kVec);
+      } else {
+        v[k].zero();  // padding contributes nothing to the first statistic
+      }
+    }
+    float stat[1] = {0.0f};
+#pragma unroll
+    for (int k = 0; k < kK; ++k) {
+      const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
+      if constexpr (V::kResidual) {
+        if (row_ok && j < nvec) add_residual(v[k], r[k], res + j * kVec);
+      }
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float f = v[k].get(i);
+        stat[0] += V::kCentered ? f : f * f;
+      }
+    }
+    team_sum(stat, team, scratch);
+
+    float mean = 0.0f, variance;
+    if constexpr (V::kCentered) {
+      mean = stat[0] / cols;
+      float dev[1] = {0.0f};
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
+        if (j < nvec) {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            const float d = v[k].get(i) - mean;
+            dev[0] += d * d;
+          }
+        }
+      }
+      team_sum(dev, team, scratch);
+      variance = dev[0] / cols;
+    } else {
+      variance = stat[0] / cols;
+    }
+    const float rstd = rsqrtf(variance + a.eps);
+
+    if (row_ok) {
+      T* y = row_ptr<T>(a.y, row, a.y_stride);
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
+        if (j >= nvec) continue;
+        float w[kVec], b[kVec];
+        if constexpr (V::kWeight) load_param<T, kVec>(a.weight, a.weight_f32, j * kVec, a.weight_offset, w);
+        if constexpr (V::kBias) load_param<T, kVec>(a.bias, a.bias_f32, j * kVec, 0.0f, b);
+        normalize_store<V>(v[k], w, b, mean, rstd, y + j * kVec);
+      }
+      if (threadIdx.x == 0) {
+        if (a.rstd != nullptr) a.rstd[row] = rstd;
+        if (V::kCentered && a.mean != nullptr) a.mean[row] = mean;
+      }
+    }
+  }
+}
+
+// ---- Large D: one CTA (or one cluster) per row ------------------------------------------
+
+enum class RowStorage {
+  kSmem,     // the whole row staged in this CTA's shared memory
+  kCluster,  // a cluster splits the row; each CTA stages its slice (sm_90)
+  kGlobal,   // no staging: every pass reads the row from device memory again
+};
+
+// The CTA's (or, for a cluster, the whole row's) total of v. Every thread gets it.
+template <RowStorage kStorage>
+__device__ __forceinline__ float row_total(float v, float* scratch, float* cluster_slot) {
+  float s[1] = {v};
+  team_sum(s, blockDim.x, scratch);
+  if constexpr (kStorage == RowStorage::kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    if (threadIdx.x == 0) cluster_slot[0] = s[0];
+    cluster.sync();
+    if (threadIdx.x == 0) {
+      // Every CTA adds the same partials in rank order: the same bits everywhere.
+      float total = 0.0f;
+      for (unsigned rank = 0; rank < cluster.num_blocks(); ++rank) {
+        total += *cluster.map_shared_rank(cluster_slot, rank);
+      }
+      cluster_slot[1] = total;
+    }
+    // Orders cluster_slot[1] for this CTA and keeps every slot[0] alive until read.
+    cluster.sync();
+    return cluster_slot[1];
+#else
+    __trap();  // the planner launches clusters on sm_90 and newer only
+#endif
+  }
+  return s[0];
+}
+
+// One row per CTA (per cluster for kCluster); blockDim.x threads stride over the CTA's
+// slice of slice_vecs vectors. Each thread reads back only the staged vectors it wrote, so
+// the staging needs no barrier.
+template <typename T, int kVec, typename V, RowStorage kStorage>
+__global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
+    norm_forward_row_kernel(const ForwardArgs a, const std::int64_t slice_vecs) {
+  extern __shared__ uint4 stage_words[];
+  Pack<T, kVec>* stage = reinterpret_cast<Pack<T, kVec>*>(stage_words);
+  __shared__ float scratch[32];
+  __shared__ float cluster_slot[2];
+  constexpr bool kStaged = kStorage != RowStorage::kGlobal;
+  constexpr int kBatch = 4;  // vectors per thread loaded before the first is used
+
+  int cluster_size = 1, rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kStorage == RowStorage::kCluster) {
+    cluster_size = static_cast<int>(cooperative_groups::this_cluster().num_blocks());
+    rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
+  }
+#endif
+  const int team = blockDim.x;
+  const std::int64_t nvec = a.cols / kVec;
+  const std::int64_t begin = rank * slice_vecs;
+  const std::int64_t end = begin + slice_vecs < nvec ? begin + slice_vecs : nvec;
+  const std::int64_t step = std::int64_t{kBatch} * team;
+  const float cols = static_cast<float>(a.cols);
+
+  for (std::int64_t row = blockIdx.x / cluster_size; row < a.rows; row += gridDim.x / cluster_size) {
+    const T* x = row_ptr<T>(a.x, row, a.x_stride);
+    T* res = V::kResidual ? row_ptr<T>(a.residual, row, a.residual_stride) : nullptr;
+    // The value that is normalized: the updated residual for the fused add, else x.
+    const T* src = V::kResidual ? res : x;
+
+    float stat = 0.0f;
+    for (std::int64_t j0 = begin + threadIdx.x; j0 < end; j0 += step) {
+      Pack<T, kVec> v[kBatch], r[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const std::int64_t j = j0 + std::int64_t{u} * team;
+        if (j < end) {
+          v[u].load(x + j * kVec);
+          if constexpr (V::kResidual) r[u].load(res + j * kVec);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const std::int64_t j = j0 + std::int64_t{u} * team;
+        if (j < end) {
+          if constexpr (V::kResidual) add_residual(v[u], r[u], res + j * kVec);
+          if constexpr (kStaged) stage[j - begin] = v[u];
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            const float f = v[u].get(i);
+            stat += V::kCentered ? f : f * f;
+          }
+        }
+      }
+    }
+    stat = row_total<kStorage>(stat, scratch, cluster_slot);
+
+    auto staged = [&](std::int64_t j) {
+      Pack<T, kVec> v;
+      if constexpr (kStaged) {
+        v = stage[j - begin];
+      } else {
+        v.load(src + j * kVec);
+      }
+      return v;
+    };
+
+    float mean = 0.0f, variance;
+    if constexpr (V::kCentered) {
+      mean = stat / cols;
+      float dev = 0.0f;
+      for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
+        const Pack<T, kVec> v = staged(j);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float d = v.get(i) - mean;
+          dev += d * d;
+        }
+      }
+      variance = row_total<kStorage>(dev, scratch, cluster_slot) / cols;
+    } else {
+      variance = stat / cols;
+    }
+    const float rstd = rsqrtf(variance + a.eps);
+
+    T* y = row_ptr<T>(a.y, row, a.y_stride);
+    for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
+      float w[kVec], b[kVec];
+      if constexpr (V::kWeight) load_param<T, kVec>(a.weight, a.weight_f32, j * kVec, a.weight_offset, w);
+      if constexpr (V::kBias) load_param<T, kVec>(a.bias, a.bias_f32, j * kVec, 0.0f, b);
+      normalize_store<V>(staged(j), w, b, mean, rstd, y + j * kVec);
+    }
+    if (rank == 0 && threadIdx.x == 0) {
+      if (a.rstd != nullptr) a.rstd[row] = rstd;
+      if (V::kCentered && a.mean != nullptr) a.mean[row] = mean;
+    }
+  }
+}
+
+}  // namespace fusednorm::cuda

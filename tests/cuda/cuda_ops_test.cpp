@@ -1,0 +1,450 @@
+// GPU correctness of every operator against the fp64 reference (include/fusednorm/reference.h),
+// over dtypes, D from 1 to 262144, row strides, unaligned data (the scalar path), weight
+// dtypes, Gemma's weight offset, aliasing, graph capture and dw determinism.
+// Without a CUDA device every test skips with a visible message.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/scalar_convert.h"
+#include "fusednorm/fusednorm.h"
+#include "fusednorm/reference.h"
+
+namespace fusednorm {
+namespace {
+
+bool have_device() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+#define REQUIRE_GPU()                                                            \
+  do {                                                                           \
+    if (!have_device()) GTEST_SKIP() << "no CUDA device: GPU test skipped";      \
+  } while (0)
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
+
+const Context kGpu{Device::kCuda, 0, nullptr};
+
+// Host bytes of a dtype buffer plus a device copy at a chosen misalignment (in elements).
+class Buffer {
+ public:
+  Buffer(DType dtype, std::int64_t elements, int misalign = 0)
+      : dtype_(dtype), elements_(elements), misalign_(misalign),
+        host_(static_cast<std::size_t>(elements) * dtype_size(dtype)) {
+    const std::size_t bytes = host_.size() + 64;
+    if (cudaMalloc(&device_base_, bytes) != cudaSuccess) device_base_ = nullptr;
+  }
+  ~Buffer() { cudaFree(device_base_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void fill_random(std::mt19937& rng, float lo = -2.0f, float hi = 2.0f) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    for (std::int64_t i = 0; i < elements_; ++i) detail::store_from_float(host_.data(), dtype_, i, dist(rng));
+  }
+  void fill(float v) {
+    for (std::int64_t i = 0; i < elements_; ++i) detail::store_from_float(host_.data(), dtype_, i, v);
+  }
+  float get(std::int64_t i) const { return detail::load_as_float(host_.data(), dtype_, i); }
+  void* host() { return host_.data(); }
+  void* device() { return static_cast<char*>(device_base_) + misalign_ * dtype_size(dtype_); }
+  bool ok() const { return device_base_ != nullptr; }
+  void upload() { cudaMemcpy(device(), host_.data(), host_.size(), cudaMemcpyHostToDevice); }
+  void download() { cudaMemcpy(host_.data(), device(), host_.size(), cudaMemcpyDeviceToHost); }
+  DType dtype() const { return dtype_; }
+
+ private:
+  DType dtype_;
+  std::int64_t elements_;
+  int misalign_;
+  std::vector<unsigned char> host_;
+  void* device_base_ = nullptr;
+};
+
+// rtol per dtype: one rounding of the output plus fp32 arithmetic.
+double tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 2e-5;
+    case DType::kFloat16: return 1.0 / 1024;
+    case DType::kBFloat16: return 1.0 / 128;
+  }
+  return 0;
+}
+
+// |got - ref| <= rtol * (|ref| + rms(ref)): relative, with an absolute floor at the
+// tensor's own scale (cancellation in dx and LayerNorm leaves small elements with an
+// error relative to the row, not to themselves).
+void expect_close(const std::vector<double>& ref, const std::function<float(std::int64_t)>& got, double rtol,
+                  const std::string& what) {
+  double ms = 0;
+  for (double r : ref) ms += r * r;
+  const double scale = ref.empty() ? 0 : std::sqrt(ms / static_cast<double>(ref.size()));
+  std::int64_t bad = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double g = got(static_cast<std::int64_t>(i));
+    const double err = std::abs(g - ref[i]);
+    if (!(err <= rtol * (std::abs(ref[i]) + scale))) {
+      if (bad++ < 5) ADD_FAILURE() << what << "[" << i << "]: got " << g << ", reference " << ref[i];
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " elements out of tolerance";
+}
+
+struct Case {
+  DType dtype;
+  std::int64_t rows;
+  std::int64_t cols;
+  std::int64_t pad = 0;   // row_stride = cols + pad
+  int misalign = 0;       // device pointers this many elements past 256-byte alignment
+  bool weight = true;
+  bool weight_f32 = false;
+  float offset = 0.0f;
+  std::string name() const {
+    return std::string(dtype_name(dtype)) + " " + std::to_string(rows) + "x" + std::to_string(cols) +
+           " pad " + std::to_string(pad) + " misalign " + std::to_string(misalign) + (weight ? " w" : " no-w") +
+           (weight_f32 ? "(f32)" : "") + " offset " + std::to_string(offset);
+  }
+};
+
+std::vector<Case> sweep() {
+  std::vector<Case> cases;
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (std::int64_t cols : {1, 7, 64, 128, 1000, 4096, 5120, 16384, 32768, 65536, 262144}) {
+      const std::int64_t rows = cols >= 65536 ? 3 : cols >= 4096 ? 37 : 301;
+      cases.push_back({dt, rows, cols});
+      if (cols == 128 || cols == 4096 || cols == 65536) {
+        cases.push_back({dt, rows, cols, 8, 0, true, true, 1.0f});  // strided, fp32 weight, Gemma
+        cases.push_back({dt, rows, cols, 3, 1, false});             // unaligned: scalar path
+      }
+    }
+  }
+  return cases;
+}
+
+std::mt19937 rng_for(const Case& c) {
+  return std::mt19937(static_cast<unsigned>(c.cols * 131 + c.rows * 7 + static_cast<int>(c.dtype)));
+}
+
+TEST(CudaForward, RmsNormMatchesReference) {
+  REQUIRE_GPU();
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(c.name());
+    std::mt19937 rng = rng_for(c);
+    const std::int64_t stride = c.cols + c.pad;
+    Buffer x(c.dtype, c.rows * stride, c.misalign), y(c.dtype, c.rows * stride, c.misalign);
+    Buffer w(c.weight_f32 ? DType::kFloat32 : c.dtype, c.cols, c.misalign), rstd(DType::kFloat32, c.rows);
+    ASSERT_TRUE(x.ok() && y.ok() && w.ok() && rstd.ok());
+    x.fill_random(rng);
+    w.fill_random(rng, 0.5f, 1.5f);
+    y.fill(NAN);  // poisoned: every element must be written
+    x.upload();
+    w.upload();
+    y.upload();
+    const RmsNormOptions opt{1e-6f, c.offset};
+    const ConstVector wv = c.weight ? ConstVector{w.device(), w.dtype(), c.cols} : ConstVector{};
+    rms_norm(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols, stride), wv,
+             matrix(y.device(), c.dtype, c.rows, c.cols, stride), static_cast<float*>(rstd.device()), opt);
+    CUDA_OK(cudaDeviceSynchronize());
+    y.download();
+    rstd.download();
+    const ConstVector wh = c.weight ? ConstVector{w.host(), w.dtype(), c.cols} : ConstVector{};
+    const auto ref = reference::rms_norm(const_matrix(x.host(), c.dtype, c.rows, c.cols, stride), wh, opt);
+    expect_close(ref.y, [&](std::int64_t i) { return y.get(i / c.cols * stride + i % c.cols); }, tolerance(c.dtype), "y");
+    expect_close(ref.rstd, [&](std::int64_t i) { return rstd.get(i); }, 2e-5, "rstd");
+  }
+}
+
+TEST(CudaForward, FusedAddRmsNormMatchesReference) {
+  REQUIRE_GPU();
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(c.name());
+    std::mt19937 rng = rng_for(c);
+    const std::int64_t stride = c.cols + c.pad;
+    Buffer x(c.dtype, c.rows * stride, c.misalign), res(c.dtype, c.rows * stride, c.misalign);
+    Buffer w(c.weight_f32 ? DType::kFloat32 : c.dtype, c.cols, c.misalign), rstd(DType::kFloat32, c.rows);
+    ASSERT_TRUE(x.ok() && res.ok() && w.ok() && rstd.ok());
+    x.fill_random(rng);
+    res.fill_random(rng);
+    w.fill_random(rng, 0.5f, 1.5f);
+    x.upload();
+    res.upload();
+    w.upload();
+    const RmsNormOptions opt{1e-6f, c.offset};
+    const ConstVector wh = c.weight ? ConstVector{w.host(), w.dtype(), c.cols} : ConstVector{};
+    const auto ref = reference::fused_add_rms_norm(const_matrix(x.host(), c.dtype, c.rows, c.cols, stride),
+                                                   const_matrix(res.host(), c.dtype, c.rows, c.cols, stride), wh, opt);
+    // y written in place over x.
+    const ConstVector wv = c.weight ? ConstVector{w.device(), w.dtype(), c.cols} : ConstVector{};
+    fused_add_rms_norm(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols, stride),
+                       matrix(res.device(), c.dtype, c.rows, c.cols, stride), wv,
+                       matrix(x.device(), c.dtype, c.rows, c.cols, stride), static_cast<float*>(rstd.device()), opt);
+    CUDA_OK(cudaDeviceSynchronize());
+    x.download();
+    res.download();
+    auto at = [&](std::int64_t i) { return i / c.cols * stride + i % c.cols; };
+    // The stored residual is x + residual rounded once: exact match expected.
+    expect_close(ref.residual, [&](std::int64_t i) { return res.get(at(i)); }, 0.0, "residual");
+    expect_close(ref.y, [&](std::int64_t i) { return x.get(at(i)); }, tolerance(c.dtype), "y");
+  }
+}
+
+TEST(CudaForward, LayerNormMatchesReference) {
+  REQUIRE_GPU();
+  for (const Case& c : sweep()) {
+    for (bool bias : {false, true}) {
+      SCOPED_TRACE(c.name() + (bias ? " bias" : " no-bias"));
+      std::mt19937 rng = rng_for(c);
+      const std::int64_t stride = c.cols + c.pad;
+      const DType pdt = c.weight_f32 ? DType::kFloat32 : c.dtype;
+      Buffer x(c.dtype, c.rows * stride, c.misalign), y(c.dtype, c.rows * stride, c.misalign);
+      Buffer w(pdt, c.cols, c.misalign), b(pdt, c.cols, c.misalign);
+      Buffer mean(DType::kFloat32, c.rows), rstd(DType::kFloat32, c.rows);
+      ASSERT_TRUE(x.ok() && y.ok() && w.ok() && b.ok() && mean.ok() && rstd.ok());
+      x.fill_random(rng, -1.0f, 3.0f);  // non-zero mean
+      w.fill_random(rng, 0.5f, 1.5f);
+      b.fill_random(rng);
+      y.fill(NAN);
+      x.upload();
+      w.upload();
+      b.upload();
+      y.upload();
+      const ConstVector wv = c.weight ? ConstVector{w.device(), pdt, c.cols} : ConstVector{};
+      const ConstVector bv = bias ? ConstVector{b.device(), pdt, c.cols} : ConstVector{};
+      layer_norm(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols, stride), wv, bv,
+                 matrix(y.device(), c.dtype, c.rows, c.cols, stride), static_cast<float*>(mean.device()),
+                 static_cast<float*>(rstd.device()));
+      CUDA_OK(cudaDeviceSynchronize());
+      y.download();
+      mean.download();
+      rstd.download();
+      const ConstVector wh = c.weight ? ConstVector{w.host(), pdt, c.cols} : ConstVector{};
+      const ConstVector bh = bias ? ConstVector{b.host(), pdt, c.cols} : ConstVector{};
+      const auto ref = reference::layer_norm(const_matrix(x.host(), c.dtype, c.rows, c.cols, stride), wh, bh);
+      expect_close(ref.y, [&](std::int64_t i) { return y.get(i / c.cols * stride + i % c.cols); }, tolerance(c.dtype), "y");
+      expect_close(ref.mean, [&](std::int64_t i) { return mean.get(i); }, 2e-5, "mean");
+      expect_close(ref.rstd, [&](std::int64_t i) { return rstd.get(i); }, 2e-4, "rstd");
+    }
+  }
+}
+
+// Backward of either norm; checks dx, dw, db against the reference and that dw / db are
+// bit-identical on a second run.
+void check_backward(const Case& c, bool layer, bool want_dx, bool want_dw, bool want_db, bool pass_stats,
+                    bool dx_over_dy) {
+  std::mt19937 rng = rng_for(c);
+  const std::int64_t stride = c.cols + c.pad;
+  const DType pdt = c.weight_f32 ? DType::kFloat32 : c.dtype;
+  Buffer x(c.dtype, c.rows * stride, c.misalign), dy(c.dtype, c.rows * stride, c.misalign);
+  Buffer dx(c.dtype, c.rows * stride, c.misalign), w(pdt, c.cols, c.misalign);
+  Buffer dw(pdt, c.cols), db(pdt, c.cols), dw2(pdt, c.cols);
+  Buffer mean(DType::kFloat32, std::max<std::int64_t>(c.rows, 1)), rstd(DType::kFloat32, std::max<std::int64_t>(c.rows, 1));
+  const std::size_t ws_bytes = backward_workspace_bytes(kGpu, c.rows, c.cols);
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, ws_bytes), cudaSuccess);
+  ASSERT_TRUE(x.ok() && dy.ok() && dx.ok() && w.ok() && dw.ok() && db.ok());
+  x.fill_random(rng, layer ? -1.0f : -2.0f, layer ? 3.0f : 2.0f);
+  dy.fill_random(rng);
+  w.fill_random(rng, 0.5f, 1.5f);
+  dx.fill(NAN);
+  dw.fill(NAN);
+  db.fill(NAN);
+  x.upload();
+  dy.upload();
+  w.upload();
+  dx.upload();
+  dw.upload();
+  db.upload();
+
+  const ConstMatrix xd = const_matrix(x.device(), c.dtype, c.rows, c.cols, stride);
+  const ConstMatrix dyd = const_matrix(dy.device(), c.dtype, c.rows, c.cols, stride);
+  void* dx_ptr = !want_dx ? nullptr : dx_over_dy ? dy.device() : dx.device();
+  const Matrix dxd = dx_ptr ? matrix(dx_ptr, c.dtype, c.rows, c.cols, stride) : Matrix{};
+  const ConstVector wv = c.weight ? ConstVector{w.device(), pdt, c.cols} : ConstVector{};
+  auto run = [&](void* dw_ptr) {
+    const Vector dwv = want_dw ? Vector{dw_ptr, pdt, c.cols} : Vector{};
+    const Vector dbv = want_db ? Vector{db.device(), pdt, c.cols} : Vector{};
+    if (layer) {
+      const float* m = pass_stats ? static_cast<float*>(mean.device()) : nullptr;
+      const float* r = pass_stats ? static_cast<float*>(rstd.device()) : nullptr;
+      layer_norm_backward(kGpu, dyd, xd, wv, m, r, dxd, dwv, dbv, {}, {ws, ws_bytes});
+    } else {
+      const float* r = pass_stats ? static_cast<float*>(rstd.device()) : nullptr;
+      rms_norm_backward(kGpu, dyd, xd, wv, r, dxd, dwv, {1e-6f, c.offset}, {ws, ws_bytes});
+    }
+  };
+  if (pass_stats) {  // the forward's statistics, as autograd would pass them
+    Buffer y(c.dtype, c.rows * stride, c.misalign);
+    if (layer) {
+      layer_norm(kGpu, xd, {}, {}, matrix(y.device(), c.dtype, c.rows, c.cols, stride),
+                 static_cast<float*>(mean.device()), static_cast<float*>(rstd.device()));
+    } else {
+      rms_norm(kGpu, xd, {}, matrix(y.device(), c.dtype, c.rows, c.cols, stride),
+               static_cast<float*>(rstd.device()), {1e-6f, c.offset});
+    }
+  }
+  // Results from a second run (dx input restored first when it overwrote dy).
+  run(dw2.device());
+  if (dx_over_dy) dy.upload();
+  run(dw.device());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (dx_over_dy) dy.download(); else dx.download();
+  dw.download();
+  dw2.download();
+  db.download();
+  cudaFree(ws);
+
+  const ConstMatrix xh = const_matrix(x.host(), c.dtype, c.rows, c.cols, stride);
+  Buffer dy_in(c.dtype, c.rows * stride);
+  { std::mt19937 rng2 = rng_for(c); x.fill_random(rng2, layer ? -1.0f : -2.0f, layer ? 3.0f : 2.0f); dy_in.fill_random(rng2); }
+  const ConstMatrix dyh = const_matrix(dy_in.host(), c.dtype, c.rows, c.cols, stride);
+  const ConstVector wh = c.weight ? ConstVector{w.host(), pdt, c.cols} : ConstVector{};
+  const auto ref = layer ? reference::layer_norm_backward(dyh, xh, wh, want_db)
+                         : reference::rms_norm_backward(dyh, xh, wh, {1e-6f, c.offset});
+  Buffer& dx_out = dx_over_dy ? dy : dx;
+  const double tol = tolerance(c.dtype) * 2;
+  if (want_dx) expect_close(ref.dx, [&](std::int64_t i) { return dx_out.get(i / c.cols * stride + i % c.cols); }, tol, "dx");
+  // dw / db in the parameter dtype: one rounding of an fp32 sum over all rows.
+  const double ptol = std::max(tolerance(pdt), 1e-4);
+  if (want_dw) {
+    expect_close(ref.dw, [&](std::int64_t i) { return dw.get(i); }, ptol, "dw");
+    EXPECT_EQ(std::memcmp(dw.host(), dw2.host(), static_cast<std::size_t>(c.cols) * dtype_size(pdt)), 0)
+        << "dw differs between two identical runs";
+  }
+  if (want_db) expect_close(ref.db, [&](std::int64_t i) { return db.get(i); }, ptol, "db");
+}
+
+TEST(CudaBackward, RmsNormMatchesReference) {
+  REQUIRE_GPU();
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(c.name());
+    check_backward(c, false, true, c.weight, false, c.cols % 2 == 0, false);
+  }
+}
+
+TEST(CudaBackward, LayerNormMatchesReference) {
+  REQUIRE_GPU();
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(c.name());
+    check_backward(c, true, true, c.weight, true, c.cols % 2 == 0, false);
+  }
+}
+
+TEST(CudaBackward, PartialOutputsAndAliasing) {
+  REQUIRE_GPU();
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (std::int64_t cols : {128, 4096, 65536}) {
+      const Case c{dt, 19, cols};
+      SCOPED_TRACE(c.name());
+      check_backward(c, false, true, false, false, true, true);   // dx over dy, dx only
+      check_backward(c, false, false, true, false, true, false);  // dw only
+      check_backward(c, true, false, false, true, false, false);  // db only, stats recomputed
+      check_backward(c, true, true, true, false, true, true);     // dx over dy with dw
+    }
+  }
+}
+
+TEST(CudaEdgeCases, ZeroRowsAndZeroRowValues) {
+  REQUIRE_GPU();
+  // rows == 0: forward is a no-op, backward writes zero dw / db.
+  Buffer dw(DType::kBFloat16, 64), db(DType::kFloat32, 64), w(DType::kBFloat16, 64);
+  dw.fill(NAN);
+  db.fill(NAN);
+  dw.upload();
+  db.upload();
+  Buffer one(DType::kBFloat16, 64);
+  layer_norm_backward(kGpu, const_matrix(one.device(), DType::kBFloat16, 0, 64),
+                      const_matrix(one.device(), DType::kBFloat16, 0, 64), {w.device(), DType::kBFloat16, 64}, nullptr,
+                      nullptr, Matrix{}, {dw.device(), DType::kBFloat16, 64}, {db.device(), DType::kFloat32, 64});
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dw.download();
+  db.download();
+  for (int j = 0; j < 64; ++j) {
+    EXPECT_EQ(dw.get(j), 0.0f);
+    EXPECT_EQ(db.get(j), 0.0f);
+  }
+  // An all-zero row with eps > 0 normalizes to zeros.
+  Buffer x(DType::kFloat16, 4 * 4096), y(DType::kFloat16, 4 * 4096);
+  x.fill(0.0f);
+  y.fill(NAN);
+  x.upload();
+  y.upload();
+  rms_norm(kGpu, const_matrix(x.device(), DType::kFloat16, 4, 4096), {}, matrix(y.device(), DType::kFloat16, 4, 4096),
+           nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  y.download();
+  for (int i = 0; i < 4 * 4096; ++i) ASSERT_EQ(y.get(i), 0.0f) << i;
+}
+
+TEST(CudaEdgeCases, SmallWorkspaceThrowsWithoutAllocating) {
+  REQUIRE_GPU();
+  Buffer x(DType::kFloat32, 8 * 256), dy(DType::kFloat32, 8 * 256), w(DType::kFloat32, 256), dw(DType::kFloat32, 256);
+  const std::size_t needed = backward_workspace_bytes(kGpu, 8, 256);
+  try {
+    rms_norm_backward(kGpu, const_matrix(dy.device(), DType::kFloat32, 8, 256),
+                      const_matrix(x.device(), DType::kFloat32, 8, 256), {w.device(), DType::kFloat32, 256}, nullptr,
+                      Matrix{}, {dw.device(), DType::kFloat32, 256}, {}, {x.device(), 16});
+    FAIL() << "expected fusednorm::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("workspace"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::to_string(needed)), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaEdgeCases, CallsCaptureIntoACudaGraph) {
+  REQUIRE_GPU();
+  const std::int64_t rows = 64, cols = 4096;
+  std::mt19937 rng(7);
+  Buffer x(DType::kBFloat16, rows * cols), y(DType::kBFloat16, rows * cols), w(DType::kBFloat16, cols);
+  Buffer dy(DType::kBFloat16, rows * cols), dx(DType::kBFloat16, rows * cols), dw(DType::kBFloat16, cols);
+  Buffer rstd(DType::kFloat32, rows);
+  x.fill_random(rng);
+  w.fill_random(rng, 0.5f, 1.5f);
+  dy.fill_random(rng);
+  x.upload();
+  w.upload();
+  dy.upload();
+  const std::size_t ws_bytes = backward_workspace_bytes(kGpu, rows, cols);
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, ws_bytes), cudaSuccess);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const Context ctx{Device::kCuda, 0, stream};
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  rms_norm(ctx, const_matrix(x.device(), DType::kBFloat16, rows, cols), {w.device(), DType::kBFloat16, cols},
+           matrix(y.device(), DType::kBFloat16, rows, cols), static_cast<float*>(rstd.device()));
+  rms_norm_backward(ctx, const_matrix(dy.device(), DType::kBFloat16, rows, cols),
+                    const_matrix(x.device(), DType::kBFloat16, rows, cols), {w.device(), DType::kBFloat16, cols},
+                    static_cast<float*>(rstd.device()), matrix(dx.device(), DType::kBFloat16, rows, cols),
+                    {dw.device(), DType::kBFloat16, cols}, {}, {ws, ws_bytes});
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  y.download();
+  dx.download();
+  const ConstVector wh{w.host(), DType::kBFloat16, cols};
+  const auto ref = reference::rms_norm(const_matrix(x.host(), DType::kBFloat16, rows, cols), wh);
+  expect_close(ref.y, [&](std::int64_t i) { return y.get(i); }, tolerance(DType::kBFloat16), "y (graph)");
+  const auto bref = reference::rms_norm_backward(const_matrix(dy.host(), DType::kBFloat16, rows, cols),
+                                                 const_matrix(x.host(), DType::kBFloat16, rows, cols), wh);
+  expect_close(bref.dx, [&](std::int64_t i) { return dx.get(i); }, 2 * tolerance(DType::kBFloat16), "dx (graph)");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFree(ws);
+}
+
+}  // namespace
+}  // namespace fusednorm

@@ -1,0 +1,223 @@
+// The CUDA launch planner's choices, checked on the CPU over D, dtype and alignment.
+#include "cuda/launch_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace fusednorm::cuda {
+namespace {
+
+ProblemShape shape(std::int64_t rows, std::int64_t cols, int elem_bytes, bool aligned = true,
+                   int accumulators = 0) {
+  ProblemShape s;
+  s.rows = rows;
+  s.cols = cols;
+  s.elem_bytes = elem_bytes;
+  s.vector_aligned = aligned && cols % full_vector(elem_bytes) == 0;
+  s.accumulators = accumulators;
+  return s;
+}
+
+const DeviceInfo kH200 = DeviceInfo::h200();
+const DeviceInfo kA100 = DeviceInfo::a100();
+
+TEST(LaunchPlan, SmallRowsShareACta) {
+  const LaunchPlan p = plan_forward(shape(65536, 128, 2), kH200);
+  EXPECT_EQ(p.kind, KernelKind::kRowsPerCta);
+  EXPECT_EQ(p.vec, 8);
+  EXPECT_EQ(p.team_threads, 16);
+  EXPECT_GT(p.rows_per_cta, 1);
+  EXPECT_EQ(p.threads_per_cta, p.team_threads * p.rows_per_cta);
+  EXPECT_EQ(p.smem_bytes, 0);
+}
+
+TEST(LaunchPlan, MediumRowInRegisters) {
+  const LaunchPlan p = plan_forward(shape(4096, 4096, 2), kH200);
+  EXPECT_EQ(p.kind, KernelKind::kRegisterRow);
+  EXPECT_EQ(p.vec, 8);
+  EXPECT_GE(std::int64_t{p.team_threads} * p.vecs_per_thread * p.vec, 4096);
+  EXPECT_EQ(p.rows_per_cta, 1);
+  EXPECT_EQ(p.smem_bytes, 0);
+  const LaunchPlan f32 = plan_forward(shape(4096, 4096, 4), kH200);
+  EXPECT_EQ(f32.kind, KernelKind::kRegisterRow);
+  EXPECT_EQ(f32.vec, 4);
+}
+
+TEST(LaunchPlan, LargeRowInSharedMemory) {
+  const LaunchPlan bf16 = plan_forward(shape(1024, 65536, 2), kH200);
+  EXPECT_EQ(bf16.kind, KernelKind::kSmemRow);
+  EXPECT_EQ(bf16.smem_bytes, 65536 * 2);
+  EXPECT_EQ(bf16.cluster_size, 1);
+  const LaunchPlan f32 = plan_forward(shape(1024, 32768, 4), kH200);
+  EXPECT_EQ(f32.kind, KernelKind::kSmemRow);
+  EXPECT_EQ(f32.smem_bytes, 32768 * 4);
+}
+
+TEST(LaunchPlan, BeyondOneSmUsesClusterOnHopperAndTwoPassOnAmpere) {
+  const LaunchPlan f32 = plan_forward(shape(256, 262144, 4), kH200);
+  EXPECT_EQ(f32.kind, KernelKind::kClusterRow);
+  EXPECT_EQ(f32.cluster_size, 8);
+  EXPECT_LE(f32.smem_bytes, kH200.max_smem_per_block - kStaticSmemReserve);
+  EXPECT_GE(f32.slice_vecs * f32.cluster_size * f32.vec, 262144);
+  EXPECT_EQ(f32.grid % f32.cluster_size, 0);
+
+  EXPECT_EQ(plan_forward(shape(256, 262144, 2), kH200).cluster_size, 4);
+  EXPECT_EQ(plan_forward(shape(1024, 65536, 4), kH200).kind, KernelKind::kClusterRow);
+  EXPECT_EQ(plan_forward(shape(1024, 65536, 4), kH200).cluster_size, 2);
+
+  EXPECT_EQ(plan_forward(shape(256, 262144, 4), kA100).kind, KernelKind::kTwoPass);
+  EXPECT_EQ(plan_forward(shape(1024, 65536, 4), kA100).kind, KernelKind::kTwoPass);
+  // Past what a portable cluster of 8 can stage, Hopper falls back too.
+  EXPECT_EQ(plan_forward(shape(4, 1 << 21, 4), kH200).kind, KernelKind::kTwoPass);
+}
+
+TEST(LaunchPlan, MisalignedDataTakesTheScalarPath) {
+  alignas(16) static std::uint16_t buffer[64];
+  EXPECT_TRUE(can_vectorize(2, 4096, {buffer, nullptr}, {4096}));
+  EXPECT_FALSE(can_vectorize(2, 4096, {buffer + 1}, {4096}));      // pointer
+  EXPECT_FALSE(can_vectorize(2, 4096, {buffer}, {4100}));          // row stride
+  EXPECT_FALSE(can_vectorize(2, 4095, {buffer}, {4095}));          // D
+  EXPECT_TRUE(can_vectorize(4, 4096, {buffer + 8}, {4096}));       // 16 bytes in
+  const LaunchPlan p = plan_forward(shape(512, 4096, 2, false), kH200);
+  EXPECT_EQ(p.vec, 1);
+  // 4096 scalars are more than 512 threads x 4 registers: staged in shared memory.
+  EXPECT_EQ(p.kind, KernelKind::kSmemRow);
+  EXPECT_EQ(p.smem_bytes, 4096 * 2);
+  EXPECT_EQ(plan_forward(shape(512, 1000, 2, false), kH200).kind, KernelKind::kRegisterRow);
+  EXPECT_EQ(plan_backward(shape(512, 4096, 2, false, 1), kH200).vec, 1);
+}
+
+TEST(LaunchPlan, SingleElementRows) {
+  const LaunchPlan p = plan_forward(shape(1000, 1, 2), kH200);
+  EXPECT_EQ(p.vec, 1);
+  EXPECT_EQ(p.kind, KernelKind::kRowsPerCta);
+  EXPECT_EQ(p.team_threads, 1);
+  EXPECT_EQ(p.vecs_per_thread, 1);
+  // A single short row still gets a whole warp.
+  EXPECT_EQ(plan_forward(shape(1, 64, 2), kH200).threads_per_cta, 32);
+  const LaunchPlan b = plan_backward(shape(1000, 1, 4, true, 1), kH200);
+  EXPECT_EQ(b.team_threads, 1);
+  EXPECT_GE(b.partial_slots, 1);
+}
+
+TEST(LaunchPlan, SixtyFourBitRowCounts) {
+  const std::int64_t rows = std::int64_t{1} << 40;
+  for (const auto& p : {plan_forward(shape(rows, 4096, 2), kH200), plan_forward(shape(rows, 64, 2), kH200),
+                        plan_forward(shape(rows, 65536, 2), kH200), plan_backward(shape(rows, 4096, 2, true, 1), kH200)}) {
+    EXPECT_GE(p.grid, 1);
+    EXPECT_LE(p.grid, kH200.sm_count * 64);  // persistent: kernels loop over rows
+  }
+  EXPECT_LE(plan_backward(shape(rows, 4096, 2, true, 2), kH200).partial_slots, max_partial_slots(rows, 4096));
+}
+
+TEST(LaunchPlan, BackwardAccumulatorsBoundVectorsPerThread) {
+  // LayerNorm bf16 with dw and db: 2 x 8 x 4 accumulators would spill; at most 2 vectors.
+  const LaunchPlan ln = plan_backward(shape(4096, 8192, 2, true, 2), kH200);
+  EXPECT_EQ(ln.kind, KernelKind::kRegisterRow);
+  EXPECT_LE(ln.vecs_per_thread, 2);
+  const LaunchPlan rms = plan_backward(shape(4096, 16384, 2, true, 1), kH200);
+  EXPECT_EQ(rms.kind, KernelKind::kRegisterRow);
+  EXPECT_EQ(rms.vecs_per_thread, 4);
+  EXPECT_EQ(plan_backward(shape(4096, 16384, 2, true, 2), kH200).kind, KernelKind::kTwoPass);
+  const LaunchPlan huge = plan_backward(shape(256, 262144, 2, true, 1), kH200);
+  EXPECT_EQ(huge.kind, KernelKind::kTwoPass);
+  EXPECT_GE(huge.col_tiles * kTileThreads * huge.vec, 262144);
+  EXPECT_GE(huge.row_blocks * huge.rows_per_block, 256);
+  EXPECT_EQ(huge.partial_slots, huge.row_blocks);
+}
+
+// Invariants over a sweep of shapes, dtypes, alignments and devices.
+TEST(LaunchPlan, InvariantsOverSweep) {
+  std::vector<std::int64_t> cols_list;
+  for (std::int64_t d = 1; d <= (1 << 19); d = d * 2) {
+    for (std::int64_t delta : {-1, 0, 1}) {
+      if (d + delta >= 1) cols_list.push_back(d + delta);
+    }
+  }
+  cols_list.push_back(5120);
+  cols_list.push_back(262144);
+  for (const DeviceInfo& dev : {kH200, kA100}) {
+    for (int esize : {2, 4}) {
+      for (bool aligned : {true, false}) {
+        for (std::int64_t rows : {std::int64_t{1}, std::int64_t{3}, std::int64_t{4096}, std::int64_t{1} << 33}) {
+          for (std::int64_t cols : cols_list) {
+            SCOPED_TRACE(testing::Message() << "rows " << rows << " cols " << cols << " esize " << esize
+                                            << " aligned " << aligned << " cc " << dev.cc_major);
+            const ProblemShape s = shape(rows, cols, esize, aligned);
+            const LaunchPlan f = plan_forward(s, dev);
+            const std::int64_t nvec = (cols + f.vec - 1) / f.vec;
+            EXPECT_EQ(f.vec, s.vector_aligned ? 16 / esize : 1);
+            EXPECT_GE(f.grid, 1);
+            EXPECT_LE(f.grid, kMaxGrid);
+            EXPECT_EQ(f.grid % f.cluster_size, 0);
+            EXPECT_LE(f.threads_per_cta, kMaxThreadsPerCta);
+            EXPECT_LE(f.smem_bytes, dev.max_smem_per_block - kStaticSmemReserve);
+            EXPECT_LE(f.cluster_size, kMaxClusterSize);
+            switch (f.kind) {
+              case KernelKind::kRowsPerCta:
+              case KernelKind::kRegisterRow:
+                EXPECT_GE(std::int64_t{f.team_threads} * f.vecs_per_thread, nvec);
+                EXPECT_TRUE(f.team_threads > 32 ? f.team_threads % 32 == 0 : 32 % f.team_threads == 0);
+                EXPECT_EQ(f.threads_per_cta, f.team_threads * f.rows_per_cta);
+                EXPECT_EQ(f.threads_per_cta % 32, 0);  // whole warps: full-mask shuffles
+                break;
+              case KernelKind::kSmemRow:
+              case KernelKind::kClusterRow:
+                EXPECT_GE(f.slice_vecs * f.cluster_size, nvec);
+                EXPECT_EQ(f.smem_bytes, f.slice_vecs * f.vec * esize);
+                break;
+              case KernelKind::kTwoPass:
+                break;
+            }
+            if (f.kind == KernelKind::kClusterRow) {
+              EXPECT_GE(dev.cc_major, 9);
+              EXPECT_TRUE(dev.cluster_launch);
+            }
+            for (int acc : {0, 1, 2}) {
+              const LaunchPlan b = plan_backward(shape(rows, cols, esize, aligned, acc), dev);
+              EXPECT_GE(b.grid, 1);
+              EXPECT_LE(b.grid, kMaxGrid);
+              EXPECT_LE(b.threads_per_cta, 512);
+              EXPECT_GE(b.partial_slots, 1);
+              EXPECT_LE(b.partial_slots, max_partial_slots(rows, cols));
+              EXPECT_LE(b.smem_bytes, 48 * 1024);
+              EXPECT_GE(b.finish_lanes, 1);
+              EXPECT_LE(b.finish_lanes, 32);
+              if (b.kind == KernelKind::kTwoPass) {
+                EXPECT_GE(b.col_tiles * kTileThreads, nvec);
+                EXPECT_LE(b.row_blocks, 65535);
+                EXPECT_GE(b.row_blocks * b.rows_per_block, rows);
+              } else {
+                EXPECT_GE(std::int64_t{b.team_threads} * b.vecs_per_thread, nvec);
+                EXPECT_LE(b.vecs_per_thread, backward_max_vecs_per_thread(acc, b.vec));
+                EXPECT_EQ(b.partial_slots, b.grid);
+                EXPECT_EQ(b.threads_per_cta % 32, 0);
+                EXPECT_EQ(b.threads_per_cta, b.team_threads * b.rows_per_cta);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(LaunchPlan, WorkspaceCoversEveryBackwardPlan) {
+  for (std::int64_t rows : {std::int64_t{0}, std::int64_t{1}, std::int64_t{4096}, std::int64_t{1} << 20}) {
+    for (std::int64_t cols : {std::int64_t{1}, std::int64_t{128}, std::int64_t{4096}, std::int64_t{262144}}) {
+      const WorkspaceLayout w = workspace_layout(rows, cols);
+      const std::size_t partial = static_cast<std::size_t>(max_partial_slots(rows, cols) * cols) * 4;
+      EXPECT_GE(w.db_offset - w.dw_offset, partial);
+      EXPECT_GE(w.coef_offset - w.db_offset, partial);
+      EXPECT_GE(w.total_bytes - w.coef_offset, static_cast<std::size_t>(rows) * 16 + 256);
+      EXPECT_EQ(w.db_offset % 256, 0u);
+      EXPECT_EQ(w.coef_offset % 256, 0u);
+      EXPECT_EQ(backward_workspace_bytes_for(rows, cols), w.total_bytes);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fusednorm::cuda
