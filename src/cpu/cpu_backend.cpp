@@ -92,6 +92,27 @@ float chunked_sum(std::int64_t cols, ChunkFn chunk_fn) {
   return total;
 }
 
+struct RowStats {
+  float mean;  // 0 for RMSNorm
+  float rstd;
+};
+
+// mean and rstd of one row, the one definition the forward and the backward's recomputation
+// share. first(begin, n): a chunk's sum of squares (RMSNorm) or sum (LayerNorm);
+// centered(begin, n, mean): a chunk's sum of squared deviations (LayerNorm only).
+template <typename FirstFn, typename CenteredFn>
+RowStats compute_row_stats(std::int64_t cols, bool is_centered, float eps, FirstFn first,
+                           CenteredFn centered) {
+  const auto count = static_cast<float>(cols);
+  const float first_total = chunked_sum(cols, first);
+  if (!is_centered) return {0.0f, rstd_from_mean_square(first_total / count, eps)};
+  const float mean = first_total / count;
+  const float mean_square =
+      chunked_sum(cols, [&](std::int64_t b, std::int64_t n) { return centered(b, n, mean); }) /
+      count;
+  return {mean, rstd_from_mean_square(mean_square, eps)};
+}
+
 // Everything the forward path needs about one call, resolved once.
 struct ForwardCall {
   const ForwardProblem& p;
@@ -149,23 +170,14 @@ struct ForwardCall {
 
 // mean and rstd of a row from its chunk statistics (first, and for LayerNorm centered).
 void forward_row(const ForwardCall& call, std::int64_t r) {
-  const std::int64_t cols = call.p.cols();
-  const float first =
-      chunked_sum(cols, [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); });
-  float mean = 0.0f;
-  float mean_square;
-  if (call.centered) {
-    mean = first / static_cast<float>(cols);
-    mean_square =
-        chunked_sum(cols, [&](std::int64_t b,
-                              std::int64_t n) { return call.centered_stat(r, b, n, mean); }) /
-        static_cast<float>(cols);
-  } else {
-    mean_square = first / static_cast<float>(cols);
-  }
-  const float rstd = rstd_from_mean_square(mean_square, call.p.eps);
-  call.normalize(r, 0, cols, mean, rstd);
-  call.store_stats(r, mean, rstd);
+  const RowStats stats = compute_row_stats(
+      call.p.cols(), call.centered, call.p.eps,
+      [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); },
+      [&](std::int64_t b, std::int64_t n, float mean) {
+        return call.centered_stat(r, b, n, mean);
+      });
+  call.normalize(r, 0, call.p.cols(), stats.mean, stats.rstd);
+  call.store_stats(r, stats.mean, stats.rstd);
 }
 
 // Few long rows: every phase runs over (row, chunk) tasks, and per-row sums are added
@@ -265,27 +277,18 @@ struct BackwardCall {
       *mean = (centered && p.mean != nullptr) ? p.mean[r] : 0.0f;
       return;
     }
-    const std::int64_t cols = p.cols();
     const void* x = x_row(r);
-    float m = 0.0f, mean_square;
-    if (centered) {
-      m = chunked_sum(cols, [&](std::int64_t b,
-                                std::int64_t n) { return k.sum(advance(x, b, esize), n); }) /
-          static_cast<float>(cols);
-      mean_square = chunked_sum(cols,
-                                [&](std::int64_t b, std::int64_t n) {
-                                  return k.sum_squares[1](advance(x, b, esize), n, m);
-                                }) /
-                    static_cast<float>(cols);
-    } else {
-      mean_square = chunked_sum(cols,
-                                [&](std::int64_t b, std::int64_t n) {
-                                  return k.sum_squares[0](advance(x, b, esize), n, 0.0f);
-                                }) /
-                    static_cast<float>(cols);
-    }
-    *mean = m;
-    *rstd = rstd_from_mean_square(mean_square, p.eps);
+    const RowStats stats = compute_row_stats(
+        p.cols(), centered, p.eps,
+        [&](std::int64_t b, std::int64_t n) {
+          return centered ? k.sum(advance(x, b, esize), n)
+                          : k.sum_squares[0](advance(x, b, esize), n, 0.0f);
+        },
+        [&](std::int64_t b, std::int64_t n, float m) {
+          return k.sum_squares[1](advance(x, b, esize), n, m);
+        });
+    *mean = stats.mean;
+    *rstd = stats.rstd;
   }
 
   void dots(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
