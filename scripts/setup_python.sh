@@ -26,6 +26,12 @@ export FUSEDNORM_CUDA="${FUSEDNORM_CUDA:-OFF}"
 # At most two compile jobs: the torch headers make each translation unit ~1 GB of RAM.
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 
+if [[ ! -f /usr/include/hwy/highway.h ]] || ! command -v cmake >/dev/null; then
+  echo "setup_python: the C++ build prerequisites are missing (cmake, libhwy-dev);" \
+       "run scripts/setup.sh first" >&2
+  exit 1
+fi
+
 step() { printf '\n==> %s\n' "$*"; }
 now() { date +%s; }
 t0=$(now)
@@ -44,6 +50,9 @@ t=$(now)
   "numpy" "pytest>=8" "transformers>=5,<6" "matplotlib" "psutil"
 echo "    dependencies: $(( $(now) - t )) s"
 
+if [[ "$FUSEDNORM_CUDA" == "ON" ]] && ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
 step "building and installing fusednorm (FUSEDNORM_CUDA=$FUSEDNORM_CUDA)"
 t=$(now)
 # --no-build-isolation: build against the torch installed above (the extension must match

@@ -1,0 +1,83 @@
+// The fusednorm PyTorch operators, device-neutral: each takes the fusednorm::Context its
+// device's registration built (CPU threads, or the current CUDA stream) and calls the core.
+// ops.cpp defines the schemas and registers these for CPU; ops_cuda.cpp for CUDA.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "fusednorm/fusednorm.h"
+
+namespace fusednorm::torch_ext {
+
+using OptTensor = std::optional<at::Tensor>;
+
+at::Tensor rms_norm(const Context& ctx, const at::Tensor& x, const OptTensor& weight, double eps,
+                    double weight_offset);
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const Context& ctx, const at::Tensor& x,
+                                                const OptTensor& weight, double eps,
+                                                double weight_offset);
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const Context& ctx, const at::Tensor& dy,
+                                                     const at::Tensor& x, const OptTensor& weight,
+                                                     const OptTensor& rstd, double eps,
+                                                     double weight_offset, bool compute_dw);
+at::Tensor fused_add_rms_norm(const Context& ctx, const at::Tensor& x, at::Tensor& residual,
+                              const OptTensor& weight, double eps, double weight_offset);
+at::Tensor layer_norm(const Context& ctx, const at::Tensor& x, const OptTensor& weight,
+                      const OptTensor& bias, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const Context& ctx,
+                                                              const at::Tensor& x,
+                                                              const OptTensor& weight,
+                                                              const OptTensor& bias, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
+    const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+    const OptTensor& mean, const OptTensor& rstd, double eps, bool compute_dw, bool compute_db);
+
+// Registers every operator for one dispatch key. DeviceScope is constructed from x for the
+// duration of the call (a device guard on CUDA) and exposes the Context as `ctx`.
+template <typename DeviceScope>
+void register_kernels(torch::Library& m) {
+  m.impl("rms_norm",
+         [](const at::Tensor& x, const OptTensor& weight, double eps, double weight_offset) {
+           DeviceScope scope(x);
+           return rms_norm(scope.ctx, x, weight, eps, weight_offset);
+         });
+  m.impl("rms_norm_fwd",
+         [](const at::Tensor& x, const OptTensor& weight, double eps, double weight_offset) {
+           DeviceScope scope(x);
+           return rms_norm_fwd(scope.ctx, x, weight, eps, weight_offset);
+         });
+  m.impl("rms_norm_backward",
+         [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+            const OptTensor& rstd, double eps, double weight_offset, bool compute_dw) {
+           DeviceScope scope(x);
+           return rms_norm_backward(scope.ctx, dy, x, weight, rstd, eps, weight_offset, compute_dw);
+         });
+  m.impl("fused_add_rms_norm", [](const at::Tensor& x, at::Tensor& residual,
+                                  const OptTensor& weight, double eps, double weight_offset) {
+    DeviceScope scope(x);
+    return fused_add_rms_norm(scope.ctx, x, residual, weight, eps, weight_offset);
+  });
+  m.impl("layer_norm",
+         [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps) {
+           DeviceScope scope(x);
+           return layer_norm(scope.ctx, x, weight, bias, eps);
+         });
+  m.impl("layer_norm_fwd",
+         [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps) {
+           DeviceScope scope(x);
+           return layer_norm_fwd(scope.ctx, x, weight, bias, eps);
+         });
+  m.impl("layer_norm_backward", [](const at::Tensor& dy, const at::Tensor& x,
+                                   const OptTensor& weight, const OptTensor& mean,
+                                   const OptTensor& rstd, double eps, bool compute_dw,
+                                   bool compute_db) {
+    DeviceScope scope(x);
+    return layer_norm_backward(scope.ctx, dy, x, weight, mean, rstd, eps, compute_dw, compute_db);
+  });
+}
+
+}  // namespace fusednorm::torch_ext

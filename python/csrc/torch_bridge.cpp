@@ -1,0 +1,158 @@
+#include "torch_bridge.h"
+
+#include <sstream>
+
+namespace fusednorm::torch_ext {
+
+void fail(const char* op, const char* argument, const std::string& message) {
+  TORCH_CHECK(false, "fusednorm::", op, ": argument '", argument, "': ", message);
+}
+
+DType to_dtype(const char* op, const char* argument, const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    default:
+      break;
+  }
+  fail(op, argument,
+       std::string("dtype ") + c10::toString(t.scalar_type()) +
+           " is not supported (expected float32, float16 or bfloat16)");
+}
+
+ConstMatrix RowView::const_matrix() const {
+  return {tensor.data_ptr(), dtype, rows, cols, row_stride};
+}
+
+Matrix RowView::matrix() const { return {tensor.data_ptr(), dtype, rows, cols, row_stride}; }
+
+namespace {
+
+void check_shape(const char* op, const char* argument, const at::Tensor& t) {
+  if (!t.defined()) fail(op, argument, "is an undefined tensor");
+  if (t.dim() == 0) fail(op, argument, "must have at least one dimension [..., D], got a scalar");
+  if (t.size(-1) == 0) fail(op, argument, "last dimension D must be >= 1, got 0");
+  if (t.layout() != at::kStrided) fail(op, argument, "must be a strided (dense) tensor");
+}
+
+}  // namespace
+
+std::optional<RowView> rows_without_copy(const char* op, const char* argument,
+                                         const at::Tensor& t) {
+  check_shape(op, argument, t);
+  RowView v;
+  v.dtype = to_dtype(op, argument, t);
+  v.cols = t.size(-1);
+  v.rows = t.numel() / v.cols;
+  v.row_stride = v.cols;
+  v.tensor = t;
+  if (v.cols > 1 && t.stride(-1) != 1) return std::nullopt;
+  // The leading dimensions of size > 1 must form one arithmetic progression of rows.
+  std::int64_t next = -1;  // stride the next-outer dimension must have
+  bool first = true;
+  for (std::int64_t i = t.dim() - 2; i >= 0; --i) {
+    if (t.size(i) == 1) continue;
+    if (first) {
+      v.row_stride = t.stride(i);
+      first = false;
+    } else if (t.stride(i) != next) {
+      return std::nullopt;
+    }
+    next = t.stride(i) * t.size(i);
+  }
+  if (v.rows <= 1) v.row_stride = v.cols;
+  if (v.row_stride < v.cols) return std::nullopt;  // broadcast (stride 0) or overlapping rows
+  return v;
+}
+
+RowView input_rows(const char* op, const char* argument, const at::Tensor& t) {
+  if (auto v = rows_without_copy(op, argument, t)) return *v;
+  RowView v;
+  v.tensor = t.contiguous();
+  v.copied = true;
+  v.dtype = to_dtype(op, argument, t);
+  v.cols = t.size(-1);
+  v.rows = t.numel() / v.cols;
+  v.row_stride = v.cols;
+  return v;
+}
+
+void check_matching(const char* op, const char* argument, const at::Tensor& t,
+                    const at::Tensor& x) {
+  check_shape(op, argument, t);
+  if (t.sizes() != x.sizes()) {
+    std::ostringstream msg;
+    msg << "shape " << t.sizes() << " does not match x's " << x.sizes();
+    fail(op, argument, msg.str());
+  }
+  if (t.device() != x.device()) {
+    fail(op, argument, "is on " + t.device().str() + " but x is on " + x.device().str());
+  }
+}
+
+RowView matching_rows(const char* op, const char* argument, const at::Tensor& t,
+                      const at::Tensor& x) {
+  check_matching(op, argument, t, x);
+  return input_rows(op, argument, t);
+}
+
+ConstVector optional_vector(const char* op, const char* argument,
+                            const std::optional<at::Tensor>& t, const at::Tensor& x,
+                            at::Tensor& keep_alive) {
+  if (!t.has_value() || !t->defined()) return {};
+  const at::Tensor& v = *t;
+  if (v.dim() != 1) {
+    fail(op, argument,
+         "must be 1-D with D = " + std::to_string(x.size(-1)) + " elements, got " +
+             std::to_string(v.dim()) + " dimensions");
+  }
+  if (v.device() != x.device()) {
+    fail(op, argument, "is on " + v.device().str() + " but x is on " + x.device().str());
+  }
+  const DType dtype = to_dtype(op, argument, v);
+  keep_alive = v.contiguous();  // D elements; a strided weight is rare and cheap to copy
+  return {keep_alive.data_ptr(), dtype, keep_alive.numel()};
+}
+
+const float* optional_row_stats(const char* op, const char* argument,
+                                const std::optional<at::Tensor>& t, const at::Tensor& x,
+                                std::int64_t rows, at::Tensor& keep_alive) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  const at::Tensor& s = *t;
+  if (s.scalar_type() != at::kFloat) {
+    fail(op, argument, std::string("dtype must be float32, got ") + c10::toString(s.scalar_type()));
+  }
+  if (s.device() != x.device()) {
+    fail(op, argument, "is on " + s.device().str() + " but x is on " + x.device().str());
+  }
+  if (s.numel() != rows) {
+    fail(op, argument,
+         "must have one element per row of x (" + std::to_string(rows) + "), got " +
+             std::to_string(s.numel()));
+  }
+  keep_alive = s.contiguous();
+  return keep_alive.data_ptr<float>();
+}
+
+Matrix new_rows(const at::Tensor& x, at::Tensor& out) {
+  out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const std::int64_t cols = x.size(-1);
+  return {out.data_ptr(), to_dtype("", "", x), out.numel() / cols, cols, cols};
+}
+
+std::vector<std::int64_t> row_stats_shape(const at::Tensor& x) {
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  return sizes;
+}
+
+Vector vector_view(at::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return {};
+  return {t.data_ptr(), to_dtype("", "", t), t.numel()};
+}
+
+}  // namespace fusednorm::torch_ext

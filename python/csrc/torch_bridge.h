@@ -1,0 +1,78 @@
+// Tensor <-> fusednorm view conversion for the PyTorch operators: argument checks whose
+// messages name the operator and the argument, the torch -> fusednorm dtype mapping (the
+// only place it happens), and [..., D] tensors seen as rows x D views through their
+// strides. Nothing here knows about a particular operator.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <string>
+
+#include "fusednorm/fusednorm.h"
+
+namespace fusednorm::torch_ext {
+
+// Raise a c10::Error (Python RuntimeError) reading
+// "fusednorm::<op>: argument '<argument>': <message>", the same form as fusednorm::Error.
+[[noreturn]] void fail(const char* op, const char* argument, const std::string& message);
+
+// Run a core call, turning fusednorm::Error into c10::Error so Python gets RuntimeError.
+template <typename F>
+void call_core(F&& f) {
+  try {
+    f();
+  } catch (const fusednorm::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+DType to_dtype(const char* op, const char* argument, const at::Tensor& t);
+
+// A [..., D] tensor seen as rows x D. `tensor` is the input itself when its last dimension
+// is contiguous and its leading dimensions collapse to one row stride (any slice, any
+// transposition that keeps rows evenly spaced); otherwise it is a contiguous copy, the
+// one copy the bindings ever make of an activation.
+struct RowView {
+  at::Tensor tensor;
+  bool copied = false;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t row_stride = 0;
+  DType dtype = DType::kFloat32;
+
+  ConstMatrix const_matrix() const;
+  Matrix matrix() const;
+};
+
+// Checks x (floating dtype, at least one dimension, D >= 1) and views it as rows.
+RowView input_rows(const char* op, const char* argument, const at::Tensor& t);
+// Views without ever copying; std::nullopt when the strides do not allow it.
+std::optional<RowView> rows_without_copy(const char* op, const char* argument, const at::Tensor& t);
+
+// Another row-shaped argument (residual, dy): same shape and device as x.
+void check_matching(const char* op, const char* argument, const at::Tensor& t, const at::Tensor& x);
+RowView matching_rows(const char* op, const char* argument, const at::Tensor& t,
+                      const at::Tensor& x);
+
+// weight / bias: absent, or a 1-D tensor on x's device (copied if not contiguous). The
+// dtype and length are checked by the core, which names the argument.
+ConstVector optional_vector(const char* op, const char* argument,
+                            const std::optional<at::Tensor>& t, const at::Tensor& x,
+                            at::Tensor& keep_alive);
+
+// Per-row fp32 statistics (rstd, mean): x.shape[:-1] elements on x's device.
+const float* optional_row_stats(const char* op, const char* argument,
+                                const std::optional<at::Tensor>& t, const at::Tensor& x,
+                                std::int64_t rows, at::Tensor& keep_alive);
+
+// A fresh contiguous tensor with x's shape and dtype, and its rows x D view.
+Matrix new_rows(const at::Tensor& x, at::Tensor& out);
+
+// Shape of per-row statistics: x.shape[:-1].
+std::vector<std::int64_t> row_stats_shape(const at::Tensor& x);
+
+Vector vector_view(at::Tensor& t);
+
+}  // namespace fusednorm::torch_ext

@@ -1,0 +1,85 @@
+"""The Python API over torch.ops.fusednorm: one function per operator.
+
+Every function normalizes over the last dimension of ``x`` (any shape ``[..., D]``) and
+accepts fp32, fp16 and bf16. The weight (and bias) is 1-D of length D, in x's dtype or in
+fp32 (fp32 master weights with a bf16 activation need no cast). Arithmetic is fp32 and each
+output element is rounded once to x's dtype.
+
+Memory layout: an input whose last dimension is contiguous and whose leading dimensions are
+evenly spaced rows (any contiguous tensor, a slice ``x[:, :k]``, a row-strided view, ...) is
+read in place through its strides. Any other layout (last dimension strided, broadcast
+rows) is first copied to a contiguous tensor: that one copy is the only one made. Outputs
+are always new contiguous tensors.
+
+Errors (wrong dtype, integer tensors, device mismatch, weight of the wrong length) raise
+RuntimeError with a message naming the operator and the argument, e.g.
+``fusednorm::rms_norm: argument 'weight': size 4095 does not match D = 4096``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "layer_norm"]
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """RMSNorm: ``y = x / sqrt(mean(x**2, -1) + eps) * (weight + weight_offset)``.
+
+    ``weight_offset=1.0`` gives Gemma's ``(1 + w)`` with the sum taken in fp32. Without a
+    weight, ``y = x * rstd`` and ``weight_offset`` is ignored.
+
+    Differentiable in ``x`` and ``weight``: when a gradient is needed the forward also keeps
+    the per-row fp32 rstd, so the fused backward does not recompute it.
+    """
+    if _needs_grad(x, weight):
+        return torch.ops.fusednorm.rms_norm_fwd(x, weight, eps, weight_offset)[0]
+    return torch.ops.fusednorm.rms_norm(x, weight, eps, weight_offset)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """``residual += x`` in place (rounded to residual's dtype), then return
+    ``rms_norm(residual, weight, eps, weight_offset)``, in one pass over memory.
+
+    ``x`` and ``residual`` have the same shape and dtype. ``residual`` must not overlap
+    ``x``; if its strides do not allow a rows x D view it is updated through a temporary
+    contiguous copy.
+
+    Inference-oriented: the fused operator mutates ``residual`` and has no autograd formula.
+    When a gradient is needed (grad mode on and an input requiring grad) this function runs
+    the equivalent unfused composite ``residual.add_(x); rms_norm(residual, ...)`` instead,
+    so training gets correct gradients (and autograd's usual in-place checks).
+    """
+    if _needs_grad(x, residual, weight):
+        residual.add_(x)
+        return rms_norm(residual, weight, eps, weight_offset)
+    return torch.ops.fusednorm.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """LayerNorm over the last dimension: ``(x - mean) * rstd * weight + bias`` with the
+    biased variance, like ``torch.nn.functional.layer_norm(x, (D,), weight, bias, eps)``.
+    Differentiable in ``x``, ``weight`` and ``bias``."""
+    if _needs_grad(x, weight, bias):
+        return torch.ops.fusednorm.layer_norm_fwd(x, weight, bias, eps)[0]
+    return torch.ops.fusednorm.layer_norm(x, weight, bias, eps)
