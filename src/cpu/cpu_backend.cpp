@@ -1,6 +1,9 @@
 #include "cpu/cpu_backend.h"
 
 #include <omp.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +27,26 @@ constexpr std::int64_t kMaxRowBlocks = 64;
 constexpr std::int64_t kMinRowsPerBlock = 16;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// Orders this thread's non-temporal stores before its later stores (and before the barrier
+// that ends a parallel region), so every thread then sees the streamed output.
+void store_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// body(i) for i in [0, count), statically scheduled over `threads` threads. Each thread
+// ends with a store fence, since the row kernels may have streamed their output.
+template <typename Body>
+void parallel_for(int threads, std::int64_t count, Body body) {
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static) nowait
+    for (std::int64_t i = 0; i < count; ++i) body(i);
+    store_fence();
+  }
+}
 
 template <typename Ptr>
 Ptr advance(Ptr base, std::int64_t elements, std::size_t element_size) {
@@ -200,31 +223,28 @@ void forward_split_rows(const ForwardCall& call, int threads) {
     return total;
   };
 
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::int64_t t = 0; t < tasks; ++t) {
+  parallel_for(threads, tasks, [&](std::int64_t t) {
     std::int64_t r, begin, n;
     chunk_of(t, &r, &begin, &n);
     partial[t] = call.first_stat(r, begin, n);
-  }
+  });
   if (call.centered) {
     for (std::int64_t r = 0; r < rows; ++r) mean[r] = row_total(r) / static_cast<float>(cols);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (std::int64_t t = 0; t < tasks; ++t) {
+    parallel_for(threads, tasks, [&](std::int64_t t) {
       std::int64_t r, begin, n;
       chunk_of(t, &r, &begin, &n);
       partial[t] = call.centered_stat(r, begin, n, mean[r]);
-    }
+    });
   }
   for (std::int64_t r = 0; r < rows; ++r) {
     rstd[r] = rstd_from_mean_square(row_total(r) / static_cast<float>(cols), call.p.eps);
     call.store_stats(r, mean[r], rstd[r]);
   }
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::int64_t t = 0; t < tasks; ++t) {
+  parallel_for(threads, tasks, [&](std::int64_t t) {
     std::int64_t r, begin, n;
     chunk_of(t, &r, &begin, &n);
     call.normalize(r, begin, n, mean[r], rstd[r]);
-  }
+  });
 }
 
 std::size_t forward_bytes(const ForwardProblem& p) {
@@ -340,8 +360,7 @@ void finish_column_sums(const float* partials, std::int64_t blocks, std::int64_t
 void backward_rows(BackwardCall& call, int threads, float* dw_partials, float* db_partials) {
   const std::int64_t rows = call.p.rows(), cols = call.p.cols();
   const RowBlocks blocks = row_blocks(rows);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::int64_t b = 0; b < blocks.count; ++b) {
+  parallel_for(threads, blocks.count, [&](std::int64_t b) {
     float* dw_acc = call.want_dw ? dw_partials + b * cols : nullptr;
     float* db_acc = call.want_db ? db_partials + b * cols : nullptr;
     if (dw_acc) std::fill(dw_acc, dw_acc + cols, 0.0f);
@@ -360,7 +379,7 @@ void backward_rows(BackwardCall& call, int threads, float* dw_partials, float* d
       call.apply_chunk(r, 0, cols, mean, rstd, sum_g / static_cast<float>(cols),
                        sum_g_xhat / static_cast<float>(cols), dw_acc, db_acc);
     }
-  }
+  });
   if (call.want_dw) finish_column_sums(dw_partials, blocks.count, cols, call.p.dw, threads);
   if (call.want_db) finish_column_sums(db_partials, blocks.count, cols, call.p.db, threads);
 }
@@ -375,12 +394,11 @@ void backward_split_rows(BackwardCall& call, int threads) {
   // the rstd saved by the forward.
   for (std::int64_t r = 0; r < rows; ++r) call.row_stats(r, &coef[r].mean, &coef[r].rstd);
   std::vector<float> g_xhat(static_cast<std::size_t>(rows * chunks)), g(g_xhat.size());
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::int64_t t = 0; t < rows * chunks; ++t) {
+  parallel_for(threads, rows * chunks, [&](std::int64_t t) {
     const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
     call.dots(r, begin, std::min(kReduceChunk, cols - begin), coef[r].mean, coef[r].rstd,
               &g_xhat[t], &g[t]);
-  }
+  });
   for (std::int64_t r = 0; r < rows; ++r) {
     float sum_g_xhat = 0.0f, sum_g = 0.0f;
     for (std::int64_t c = 0; c < chunks; ++c) {
@@ -396,7 +414,7 @@ void backward_split_rows(BackwardCall& call, int threads) {
     std::vector<float> block_dw(call.want_dw ? kReduceChunk : 0),
         block_db(call.want_db ? kReduceChunk : 0);
     std::vector<float> total_dw(block_dw.size()), total_db(block_db.size());
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (std::int64_t c = 0; c < chunks; ++c) {
       const std::int64_t begin = c * kReduceChunk, n = std::min(kReduceChunk, cols - begin);
       std::fill(total_dw.begin(), total_dw.end(), 0.0f);
@@ -418,6 +436,7 @@ void backward_split_rows(BackwardCall& call, int threads) {
       if (call.want_dw) store_floats(total_dw.data(), n, call.p.dw, begin);
       if (call.want_db) store_floats(total_db.data(), n, call.p.db, begin);
     }
+    store_fence();  // dx may have been streamed
   }
 }
 
@@ -461,8 +480,7 @@ void forward(const ForwardProblem& p, int num_threads) {
     forward_split_rows(call, plan.threads);
     return;
   }
-#pragma omp parallel for num_threads(plan.threads) schedule(static)
-  for (std::int64_t r = 0; r < p.rows(); ++r) forward_row(call, r);
+  parallel_for(plan.threads, p.rows(), [&](std::int64_t r) { forward_row(call, r); });
 }
 
 void backward(const BackwardProblem& p, int num_threads) {
