@@ -4,8 +4,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 #include <utility>
+
+#include "cuda/launch_plan.h"
 
 namespace fusednorm::cuda {
 
@@ -14,7 +17,15 @@ inline constexpr std::int64_t kDefaultSmemLimit = 48 * 1024;
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, std::int64_t smem,
                           int cluster_size, cudaStream_t stream, Args&&... args) {
-  if (smem > kDefaultSmemLimit) {
+  // The default limit (48 KB) is on static + dynamic shared memory together: a kernel with
+  // 144 bytes of static shared memory cannot take 48 KB of dynamic without the opt-in (e.g.
+  // fp32 D = 12288 staged in shared memory). kStaticSmemReserve bounds every kernel's static part.
+  std::unique_lock<std::mutex> lock;
+  if (smem > 0 && smem + kStaticSmemReserve > kDefaultSmemLimit) {
+    // The attribute is per kernel, not per launch: held until the launch is enqueued, so that
+    // another host thread cannot lower it in between (one mutex per kernel signature).
+    static std::mutex attribute_mutex;
+    lock = std::unique_lock<std::mutex>(attribute_mutex);
     // A host-side function attribute, not a stream operation: allowed during graph capture.
     const cudaError_t err = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(512, 1)
         team_sum(dev, team, scratch);
         variance = dev[0] / cols;
       }
-      rstd = rsqrtf(variance + a.eps);
+      rstd = 1.0f / sqrtf(variance + a.eps);
     }
 
     constexpr int kDots = V::kCentered ? 2 : 1;
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kCoefThreads, 1) norm_backward_coef_kernel(con
         }
         variance = block_sum(make_float2(dev, 0.0f)).x / cols;
       }
-      rstd = rsqrtf(variance + a.eps);
+      rstd = 1.0f / sqrtf(variance + a.eps);
     }
 
     float2 dots = make_float2(0.0f, 0.0f);  // sum g * x_hat, sum g

@@ -1,9 +1,10 @@
 // Forward kernels: RMSNorm (optionally with the fused residual add) and LayerNorm.
 //
 // Numerics, as on the CPU: elements are widened to fp32, sums are fp32, eps is added in
-// fp32, rstd = rsqrtf(mean square + eps), and every output element is rounded once (to
-// nearest even) at the store. The fused add stores residual = round(x + residual) and
-// normalizes that stored value.
+// fp32, rstd = 1 / sqrtf(mean square + eps) (IEEE sqrt and division as on the CPU, not
+// rsqrtf, which is up to 2 ulp off), and every output element is rounded once (to nearest
+// even) at the store. The fused add stores residual = round(x + residual) and normalizes
+// that stored value.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
     } else {
       variance = stat[0] / cols;
     }
-    const float rstd = rsqrtf(variance + a.eps);
+    const float rstd = 1.0f / sqrtf(variance + a.eps);
 
     if (row_ok) {
       T* y = row_ptr<T>(a.y, row, a.y_stride);
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
     } else {
       variance = stat / cols;
     }
-    const float rstd = rsqrtf(variance + a.eps);
+    const float rstd = 1.0f / sqrtf(variance + a.eps);
 
     T* y = row_ptr<T>(a.y, row, a.y_stride);
     for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
