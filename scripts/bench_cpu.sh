@@ -4,7 +4,7 @@
 # markdown table; the raw JSON lines go to build/bench_cpu.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bench=build/release/tools/fusednorm-bench
+bench=${FUSEDNORM_BENCH:-build/release/tools/fusednorm-bench}
 [ -x "$bench" ] || scripts/setup.sh >/dev/null
 out=build/bench_cpu.jsonl
 : > "$out"
