@@ -469,7 +469,11 @@ int main(int argc, char** argv) {
   }
 
   bool ok = true;
-  for (const auto& r : results) ok = ok && r.max_abs_err <= r.error_limit && r.note.empty();
+  // The verdict is on fusednorm's results; the stepwise baseline's error is reported (its
+  // plain fp32 running sum drifts on long rows) but does not fail the run.
+  for (const auto& r : results) {
+    if (r.impl == "fused") ok = ok && r.max_abs_err <= r.error_limit && r.note.empty();
+  }
 
   if (o.json) {
     for (const auto& r : results) {
@@ -501,7 +505,7 @@ int main(int argc, char** argv) {
     std::printf("| %-19s | %-8s | %9.1f | %6.1f | %11.1f | %10.1f%% | %11zu | %.2e (%.1e) %-4s |\n",
                 r.op.c_str(), r.impl.c_str(), r.median_us, r.gbps, r.memcpy_gbps, r.pct_of_memcpy,
                 r.extra_bytes, r.max_abs_err, r.error_limit,
-                r.max_abs_err <= r.error_limit ? "ok" : "FAIL");
+                r.max_abs_err <= r.error_limit ? "ok" : r.impl == "fused" ? "FAIL" : "over");
   }
   for (const auto& r : results) {
     if (!r.note.empty())
