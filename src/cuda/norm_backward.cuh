@@ -144,25 +144,10 @@ __global__ void __launch_bounds__(512, 1)
         }
       }
       team_sum(s, team, scratch);
-      float variance = s[0] / cols;
-      if constexpr (V::kCentered) {
-        mean = s[0] / cols;
-        float dev[1] = {0.0f};
-#pragma unroll
-        for (int k = 0; k < kK; ++k) {
-          const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
-          if (j < nvec) {
-#pragma unroll
-            for (int i = 0; i < kVec; ++i) {
-              const float d = xv[k].get(i) - mean;
-              dev[0] += d * d;
-            }
-          }
-        }
-        team_sum(dev, team, scratch);
-        variance = dev[0] / cols;
-      }
-      rstd = 1.0f / sqrtf(variance + a.eps);
+      const float2 stats =
+          register_row_stats<V::kCentered>(xv, s[0], nvec, team, scratch, cols, a.eps);
+      mean = stats.x;
+      rstd = stats.y;
     }
 
     constexpr int kDots = V::kCentered ? 2 : 1;

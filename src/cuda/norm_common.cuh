@@ -143,4 +143,35 @@ __device__ __forceinline__ void team_sum(float (&v)[kN], int team, float* scratc
   }
 }
 
+// mean and rstd of a row held in registers (kK packs of kVec elements per thread, the
+// team's threads striding over nvec packs), from `first`: the team-reduced sum (LayerNorm)
+// or sum of squares (RMSNorm). The one definition shared by the forward and the backward's
+// recomputation, so both give the same bits.
+template <bool kCentered, typename T, int kVec, int kK>
+__device__ __forceinline__ float2 register_row_stats(const Pack<T, kVec> (&v)[kK], float first,
+                                                     std::int64_t nvec, int team, float* scratch,
+                                                     float cols, float eps) {
+  float mean = 0.0f, variance;
+  if constexpr (kCentered) {
+    mean = first / cols;
+    float dev[1] = {0.0f};
+#pragma unroll
+    for (int k = 0; k < kK; ++k) {
+      const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
+      if (j < nvec) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float d = v[k].get(i) - mean;
+          dev[0] += d * d;
+        }
+      }
+    }
+    team_sum(dev, team, scratch);
+    variance = dev[0] / cols;
+  } else {
+    variance = first / cols;
+  }
+  return make_float2(mean, 1.0f / sqrtf(variance + eps));
+}
+
 }  // namespace fusednorm::cuda

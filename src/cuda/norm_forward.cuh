@@ -98,27 +98,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
     }
     team_sum(stat, team, scratch);
 
-    float mean = 0.0f, variance;
-    if constexpr (V::kCentered) {
-      mean = stat[0] / cols;
-      float dev[1] = {0.0f};
-#pragma unroll
-      for (int k = 0; k < kK; ++k) {
-        const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
-        if (j < nvec) {
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            const float d = v[k].get(i) - mean;
-            dev[0] += d * d;
-          }
-        }
-      }
-      team_sum(dev, team, scratch);
-      variance = dev[0] / cols;
-    } else {
-      variance = stat[0] / cols;
-    }
-    const float rstd = 1.0f / sqrtf(variance + a.eps);
+    const float2 stats =
+        register_row_stats<V::kCentered>(v, stat[0], nvec, team, scratch, cols, a.eps);
+    const float mean = stats.x, rstd = stats.y;
 
     if (row_ok) {
       T* y = row_ptr<T>(a.y, row, a.y_stride);
