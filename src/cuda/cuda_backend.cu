@@ -71,6 +71,18 @@ cudaError_t dispatch_dtype(DType dtype, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
+// The planner's view of a call: x's shape and dtype, and whether every pointer and row
+// stride the kernels touch allows 16-byte vector accesses.
+ProblemShape problem_shape(const ConstMatrix& x, std::initializer_list<const void*> pointers,
+                           std::initializer_list<std::int64_t> row_strides) {
+  ProblemShape shape;
+  shape.rows = x.rows;
+  shape.cols = x.cols;
+  shape.elem_bytes = static_cast<int>(dtype_size(x.dtype));
+  shape.vector_aligned = can_vectorize(shape.elem_bytes, x.cols, pointers, row_strides);
+  return shape;
+}
+
 OutDType out_dtype(DType dtype) { return static_cast<OutDType>(static_cast<int>(dtype)); }
 
 }  // namespace
@@ -81,14 +93,9 @@ std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
 
 void forward(const char* op, const ForwardProblem& p, void* stream) {
   if (p.rows() == 0) return;
-  const int esize = static_cast<int>(dtype_size(p.x.dtype));
-  ProblemShape shape;
-  shape.rows = p.rows();
-  shape.cols = p.cols();
-  shape.elem_bytes = esize;
-  shape.vector_aligned =
-      can_vectorize(esize, p.cols(), {p.x.data, p.residual.data, p.y.data, p.weight.data, p.bias.data},
-                    {p.x.row_stride, p.has_residual() ? p.residual.row_stride : 0, p.y.row_stride});
+  const ProblemShape shape = problem_shape(
+      p.x, {p.x.data, p.residual.data, p.y.data, p.weight.data, p.bias.data},
+      {p.x.row_stride, p.has_residual() ? p.residual.row_stride : 0, p.y.row_stride});
   const LaunchPlan plan = plan_forward(shape, device_info(op));
 
   ForwardArgs a = {};
@@ -128,14 +135,9 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
   }
   if (p.dx.data == nullptr && !want_dw && !want_db) return;
 
-  const int esize = static_cast<int>(dtype_size(p.x.dtype));
-  ProblemShape shape;
-  shape.rows = p.rows();
-  shape.cols = p.cols();
-  shape.elem_bytes = esize;
-  shape.vector_aligned =
-      can_vectorize(esize, p.cols(), {p.dy.data, p.x.data, p.dx.data, p.weight.data},
-                    {p.dy.row_stride, p.x.row_stride, p.dx.data != nullptr ? p.dx.row_stride : 0});
+  ProblemShape shape = problem_shape(
+      p.x, {p.dy.data, p.x.data, p.dx.data, p.weight.data},
+      {p.dy.row_stride, p.x.row_stride, p.dx.data != nullptr ? p.dx.row_stride : 0});
   // Must match the launcher's kernel variant (BackwardVariant::kDw / kDb).
   const bool accumulate = want_dw || want_db;
   shape.accumulators = accumulate ? (p.weight.data != nullptr ? 1 : 0) + (p.kind == NormKind::kLayer ? 1 : 0) : 0;
