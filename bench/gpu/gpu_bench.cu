@@ -129,7 +129,8 @@ int main(int argc, char** argv) {
       {65536, 128}, {4096, 16384}, {1024, 65536}, {256, 262144}};
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     const std::size_t es = dtype_size(dt);
-    for (const auto& [rows, cols] : shapes) {
+    for (const auto& shape : shapes) {
+      const std::int64_t rows = shape.first, cols = shape.second;  // captured by lambdas below (C++17)
       const std::int64_t n = rows * cols;
       void *x, *y, *r, *dy, *w, *b, *dw, *db, *ws;
       float *mean, *rstd;
@@ -157,38 +158,65 @@ int main(int argc, char** argv) {
       const double io = static_cast<double>(n) * es;  // bytes of one rows x cols stream
       const double pv = static_cast<double>(cols) * es;
 
-      cuda::ProblemShape s{rows, cols, static_cast<int>(es), cols % cuda::full_vector(static_cast<int>(es)) == 0, 0};
-      const cuda::LaunchPlan fp = cuda::plan_forward(s, dev);
-      s.accumulators = 1;
-      const cuda::LaunchPlan rb = cuda::plan_backward(s, dev);
-      s.accumulators = 2;
-      const cuda::LaunchPlan lb = cuda::plan_backward(s, dev);
       auto plan_name = [](const cuda::LaunchPlan& p) {
         return std::string(cuda::kernel_kind_name(p.kind)) + "/v" + std::to_string(p.vec) + "k" +
                std::to_string(p.vecs_per_thread) + "t" + std::to_string(p.team_threads) + "x" +
                std::to_string(p.rows_per_cta) + "c" + std::to_string(p.cluster_size) + "g" + std::to_string(p.grid);
       };
-      auto report = [&](const char* op, double bytes, const cuda::LaunchPlan& plan, const std::function<void()>& fn) {
-        const double us = timer.median_us(fn);
-        CHECK(cudaGetLastError());
-        std::printf("fusednorm,%s,%s,%lld,%lld,%.3f,%.1f,%s\n", op, dtype_name(dt), static_cast<long long>(rows),
-                    static_cast<long long>(cols), us, bytes / us / 1e3, plan_name(plan).c_str());
-        std::fflush(stdout);
+      struct Op {
+        const char* name;
+        double bytes;
+        int accumulators;  // backward: fp32 column sums per column (dw: 1, dw and db: 2); -1: forward
+        std::function<void()> call;
       };
-      report("rms_norm", 2 * io + pv, fp, [&] { rms_norm(ctx, xm, wv, ym, rstd); });
-      report("fused_add_rms_norm", 4 * io + pv, fp,
-             [&] { fused_add_rms_norm(ctx, xm, matrix(r, dt, rows, cols), wv, ym, rstd); });
-      report("layer_norm", 2 * io + 2 * pv, fp, [&] { layer_norm(ctx, xm, wv, bv, ym, mean, rstd); });
-      // Backward with the forward's statistics, as autograd calls it: dx and dw (db).
-      rms_norm(ctx, xm, wv, ym, rstd);
-      report("rms_norm_backward", 3 * io + 2 * pv, rb, [&] {
-        rms_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, rstd, ym, {dw, dt, cols}, {}, {ws, ws_bytes});
-      });
-      layer_norm(ctx, xm, wv, bv, ym, mean, rstd);
-      report("layer_norm_backward", 3 * io + 3 * pv, lb, [&] {
-        layer_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, mean, rstd, ym, {dw, dt, cols},
-                            {db, dt, cols}, {}, {ws, ws_bytes});
-      });
+      const std::vector<Op> ops = {
+          {"rms_norm", 2 * io + pv, -1, [&] { rms_norm(ctx, xm, wv, ym, rstd); }},
+          {"fused_add_rms_norm", 4 * io + pv, -1,
+           [&] { fused_add_rms_norm(ctx, xm, matrix(r, dt, rows, cols), wv, ym, rstd); }},
+          {"layer_norm", 2 * io + 2 * pv, -1, [&] { layer_norm(ctx, xm, wv, bv, ym, mean, rstd); }},
+          // Backward with the forward's statistics (computed just before), as autograd calls it.
+          {"rms_norm_backward", 3 * io + 2 * pv, 1,
+           [&] {
+             rms_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, rstd, ym, {dw, dt, cols}, {},
+                               {ws, ws_bytes});
+           }},
+          {"layer_norm_backward", 3 * io + 3 * pv, 2,
+           [&] {
+             layer_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, mean, rstd, ym, {dw, dt, cols},
+                                 {db, dt, cols}, {}, {ws, ws_bytes});
+           }},
+      };
+      for (const Op& op : ops) {
+        if (op.accumulators >= 0) {  // statistics of x for the backward
+          if (std::string(op.name) == "layer_norm_backward") {
+            layer_norm(ctx, xm, wv, bv, ym, mean, rstd);
+          } else {
+            rms_norm(ctx, xm, wv, ym, rstd);
+          }
+        }
+        cuda::ProblemShape s{rows, cols, static_cast<int>(es), cols % cuda::full_vector(static_cast<int>(es)) == 0,
+                             std::max(op.accumulators, 0)};
+        auto plan_for = [&](const cuda::PlanOptions& options) {
+          return op.accumulators < 0 ? cuda::plan_forward(s, dev, options) : cuda::plan_backward(s, dev, options);
+        };
+        auto report = [&](const char* impl, const cuda::LaunchPlan& plan) {
+          const double us = timer.median_us(op.call);
+          CHECK(cudaGetLastError());
+          std::printf("%s,%s,%s,%lld,%lld,%.3f,%.1f,%s\n", impl, op.name, dtype_name(dt),
+                      static_cast<long long>(rows), static_cast<long long>(cols), us, op.bytes / us / 1e3,
+                      plan_name(plan).c_str());
+          std::fflush(stdout);
+        };
+        const cuda::LaunchPlan plan = plan_for({});
+        report("fusednorm", plan);
+        // Where rows are staged in shared memory, the same call on the two-pass kernels
+        // (FUSEDNORM_CUDA_STAGED_ROWS=0): what staging gains, measured in the same run.
+        if (plan.kind == cuda::KernelKind::kSmemRow || plan.kind == cuda::KernelKind::kClusterRow) {
+          setenv("FUSEDNORM_CUDA_STAGED_ROWS", "0", 1);
+          report("fusednorm_two_pass", plan_for({false}));
+          unsetenv("FUSEDNORM_CUDA_STAGED_ROWS");
+        }
+      }
       for (void* p : {x, y, r, dy, w, b, dw, db, ws}) cudaFree(p);
       cudaFree(mean);
       cudaFree(rstd);

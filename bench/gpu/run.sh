@@ -4,11 +4,13 @@
 # copy measured in the same run. Full CSV and logs go to $OUT. Budget: < 5 minutes.
 #
 #   bench/gpu/run.sh            from the repository root (or anywhere: it cds there)
+#   SANITIZE=1 bench/gpu/run.sh also the compute-sanitizer checks (about +3 minutes)
 #
 # Steps and rough time limits (the whole script is meant to end well inside 5 minutes):
 #   1. configure + build gpu_bench and the CUDA tests, sm_90 only, -j16
-#   2. ctest: launch-planner tests and GPU correctness tests (C++); the CUDA pytest subset
-#      when the Python package is importable
+#   2. ctest: launch-planner tests and GPU correctness tests (C++); with SANITIZE=1 the GPU
+#      tests again under compute-sanitizer memcheck / racecheck / synccheck (quick sweep);
+#      the CUDA pytest subset when the Python package is importable
 #   3. gpu_bench (fusednorm, CUDA events, L2 flushed) -> $OUT/fusednorm.csv
 #   4. peers.py (torch, torch.compile, F.layer_norm, Liger if importable) -> $OUT/bench.csv,
 #      table on stdout and in $OUT/table.txt
@@ -35,12 +37,15 @@ command -v ninja > /dev/null && generator=(-G Ninja)
 
 stamp "configure"
 if ! cmake -S bench/gpu -B "$BUILD" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DFUSEDNORM_CUDA=ON "${cmake_extra[@]}" > "$OUT/configure.log" 2>&1; then
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DFUSEDNORM_CUDA=ON -DPython3_EXECUTABLE="$(command -v python3)" \
+    "${cmake_extra[@]}" > "$OUT/configure.log" 2>&1; then
   tail -40 "$OUT/configure.log"; echo "configure FAILED"; exit 1
 fi
 stamp "build"
-if ! cmake --build "$BUILD" -j16 --target gpu_bench fusednorm_cuda_tests fusednorm_cuda_plan_tests \
-    > "$OUT/build.log" 2>&1; then
+targets=(gpu_bench fusednorm_cuda_tests fusednorm_cuda_plan_tests)
+# The PyTorch extension when configure found torch (bench/gpu/CMakeLists.txt).
+grep -q "^FUSEDNORM_BUILD_PYTHON:BOOL=ON" "$BUILD/CMakeCache.txt" && targets+=(fusednorm_torch)
+if ! cmake --build "$BUILD" -j16 --target "${targets[@]}" > "$OUT/build.log" 2>&1; then
   grep -E "error|Error" "$OUT/build.log" | head -40; echo "build FAILED"; exit 1
 fi
 
@@ -50,12 +55,31 @@ ctest --test-dir "$BUILD/fusednorm" -R "LaunchPlan|Cuda" --output-on-failure --t
 ctest_rc=$?
 grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | head -30
 
-if python3 -c "import fusednorm, torch; assert torch.cuda.is_available()" 2> /dev/null && [ -d python ]; then
+# SANITIZE=1: the GPU tests again under compute-sanitizer (works on the Firecracker
+# machines, not on gVisor: KINDS.md), on the quick sweep (every D, so every kernel kind, at
+# most 3 rows; the staged-backward test keeps 301 rows). Each tool is time-boxed.
+if [ "${SANITIZE:-0}" != 0 ]; then
+  tests_bin=$BUILD/fusednorm/tests/cuda/fusednorm_cuda_tests
+  for tool in memcheck racecheck synccheck; do
+    stamp "compute-sanitizer --tool $tool (quick sweep)"
+    FUSEDNORM_TEST_QUICK=1 timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+      "$tests_bin" > "$OUT/sanitize-$tool.log" 2>&1
+    echo "$tool: exit $? (0 clean, 3 sanitizer errors, 124 timed out)"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race|hazard|FAILED" "$OUT/sanitize-$tool.log" | head -8
+  done
+fi
+
+# The package from the source tree, with the extension just built (also for peers.py).
+torch_lib=$BUILD/fusednorm/python/libfusednorm_torch.so
+if [ -f "$torch_lib" ]; then
+  export FUSEDNORM_LIBRARY=$PWD/$torch_lib PYTHONPATH=$PWD/python:${PYTHONPATH:-}
+fi
+if python3 -c "import fusednorm, torch; assert torch.cuda.is_available() and fusednorm.has_cuda()" 2> "$OUT/import.err"; then
   stamp "pytest (CUDA subset)"
-  python3 -m pytest -q -x -k cuda python > "$OUT/pytest.log" 2>&1
+  python3 -m pytest -q -p no:cacheprovider -k cuda tests/python > "$OUT/pytest.log" 2>&1
   tail -5 "$OUT/pytest.log"
 else
-  echo "pytest: fusednorm Python package not importable here: CUDA pytest subset skipped"
+  echo "pytest: fusednorm with CUDA not importable here: CUDA pytest subset skipped"; tail -2 "$OUT/import.err"
 fi
 
 stamp "gpu_bench"

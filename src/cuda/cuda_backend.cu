@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -83,6 +84,15 @@ ProblemShape problem_shape(const ConstMatrix& x, std::initializer_list<const voi
   return shape;
 }
 
+// Read at every call (getenv is a scan of a few dozen strings, far below a launch), so a
+// benchmark can switch it between calls.
+PlanOptions plan_options() {
+  PlanOptions options;
+  const char* staged = std::getenv("FUSEDNORM_CUDA_STAGED_ROWS");
+  options.staged_rows = staged == nullptr || std::string(staged) != "0";
+  return options;
+}
+
 OutDType out_dtype(DType dtype) { return static_cast<OutDType>(static_cast<int>(dtype)); }
 
 }  // namespace
@@ -96,7 +106,7 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
   const ProblemShape shape = problem_shape(
       p.x, {p.x.data, p.residual.data, p.y.data, p.weight.data, p.bias.data},
       {p.x.row_stride, p.has_residual() ? p.residual.row_stride : 0, p.y.row_stride});
-  const LaunchPlan plan = plan_forward(shape, device_info(op));
+  const LaunchPlan plan = plan_forward(shape, device_info(op), plan_options());
 
   ForwardArgs a = {};
   a.centered = p.kind == NormKind::kLayer;
@@ -141,7 +151,7 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
   // Must match the launcher's kernel variant (BackwardVariant::kDw / kDb).
   const bool accumulate = want_dw || want_db;
   shape.accumulators = accumulate ? (p.weight.data != nullptr ? 1 : 0) + (p.kind == NormKind::kLayer ? 1 : 0) : 0;
-  const LaunchPlan plan = plan_backward(shape, device_info(op));
+  const LaunchPlan plan = plan_backward(shape, device_info(op), plan_options());
 
   BackwardArgs a = {};
   a.centered = p.kind == NormKind::kLayer;

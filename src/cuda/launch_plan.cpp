@@ -50,6 +50,37 @@ int finish_lanes_for(std::int64_t slots) {
   return static_cast<int>(std::min<std::int64_t>(32, next_pow2(ceil_div(slots, 8))));
 }
 
+// The smallest staging of a row of nvec vectors: the whole row in one CTA's shared memory
+// (kSmemRow), else a thread-block cluster of 2, 4 or 8 CTAs each staging a slice
+// (kClusterRow, sm_90); bytes_for(slice_vecs) is a CTA's dynamic shared memory. Fills the
+// plan's kind, cluster_size, slice_vecs, smem_bytes, team and grid (whole clusters, at most
+// max_clusters, at most the CTAs that fit on the device at once); false when even a cluster
+// of 8 cannot hold the row.
+template <typename BytesFor>
+bool plan_staged(std::int64_t nvec, std::int64_t max_clusters, const DeviceInfo& d, BytesFor bytes_for,
+                 LaunchPlan& plan) {
+  const std::int64_t budget = d.max_smem_per_block - kStaticSmemReserve;
+  const int max_cluster = d.cluster_launch && d.cc_major >= 9 ? kMaxClusterSize : 1;
+  for (int cs = 1; cs <= max_cluster; cs *= 2) {
+    const std::int64_t slice = ceil_div(nvec, cs);
+    const std::int64_t bytes = bytes_for(slice);
+    if (bytes > budget) continue;
+    plan.kind = cs == 1 ? KernelKind::kSmemRow : KernelKind::kClusterRow;
+    plan.cluster_size = cs;
+    plan.slice_vecs = slice;
+    plan.smem_bytes = bytes;
+    plan.team_threads = kMaxThreadsPerCta;
+    plan.threads_per_cta = kMaxThreadsPerCta;
+    const std::int64_t per_sm = std::max<std::int64_t>(
+        1, std::min<std::int64_t>(d.max_threads_per_sm / kMaxThreadsPerCta,
+                                  d.max_smem_per_sm / (bytes + kStaticSmemReserve)));
+    const std::int64_t clusters = std::min(max_clusters, std::max<std::int64_t>(1, d.sm_count * per_sm / cs));
+    plan.grid = clusters * cs;
+    return true;
+  }
+  return false;
+}
+
 // Backward register kernels keep dy, x and the dw / db accumulators in registers, so the
 // team is capped at 512 threads (128 registers per thread).
 constexpr int kBackwardMaxTeam = 512;
@@ -102,13 +133,11 @@ std::size_t backward_workspace_bytes_for(std::int64_t rows, std::int64_t cols) {
   return workspace_layout(rows, cols).total_bytes;
 }
 
-LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d) {
+LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d, const PlanOptions& options) {
   LaunchPlan plan;
   plan.vec = s.vector_aligned ? full_vector(s.elem_bytes) : 1;
   const std::int64_t nvec = ceil_div(s.cols, plan.vec);
   const std::int64_t rows = std::max<std::int64_t>(s.rows, 1);
-  const std::int64_t smem_budget = d.max_smem_per_block - kStaticSmemReserve;
-  const std::int64_t row_bytes = nvec * plan.vec * s.elem_bytes;
 
   if (const RegisterFit fit = fit_in_registers(nvec, kMaxThreadsPerCta); fit.ok) {
     plan.kind = fit.team <= 32 ? KernelKind::kRowsPerCta : KernelKind::kRegisterRow;
@@ -122,31 +151,11 @@ LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d) {
     return plan;
   }
 
-  // Beyond registers the row is at least 512 x 4 vectors: one 512-thread CTA per row.
-  plan.team_threads = kMaxThreadsPerCta;
-  plan.threads_per_cta = kMaxThreadsPerCta;
-  if (row_bytes <= smem_budget) {
-    plan.kind = KernelKind::kSmemRow;
-    plan.slice_vecs = nvec;
-    plan.smem_bytes = row_bytes;
-    const std::int64_t per_sm = std::max<std::int64_t>(
-        1, std::min<std::int64_t>(d.max_threads_per_sm / kMaxThreadsPerCta,
-                                  d.max_smem_per_sm / (row_bytes + kStaticSmemReserve)));
-    plan.grid = clamp_grid(std::min(rows, d.sm_count * per_sm));
+  // Beyond registers the row is at least 512 x 4 vectors: one 512-thread CTA (or cluster)
+  // per row, the row staged in shared memory so that x is read from device memory once.
+  const auto row_bytes = [&](std::int64_t slice) { return slice * plan.vec * s.elem_bytes; };
+  if (options.staged_rows && plan_staged(nvec, std::min(rows, kMaxGrid / kMaxClusterSize), d, row_bytes, plan)) {
     return plan;
-  }
-  if (d.cluster_launch && d.cc_major >= 9) {
-    for (int cs = 2; cs <= kMaxClusterSize; cs *= 2) {
-      const std::int64_t slice = ceil_div(nvec, cs);
-      if (slice * plan.vec * s.elem_bytes > smem_budget) continue;
-      plan.kind = KernelKind::kClusterRow;
-      plan.cluster_size = cs;
-      plan.slice_vecs = slice;
-      plan.smem_bytes = slice * plan.vec * s.elem_bytes;
-      const std::int64_t clusters = std::min<std::int64_t>(rows, std::max(1, d.sm_count / cs));
-      plan.grid = clusters * cs;
-      return plan;
-    }
   }
   plan.kind = KernelKind::kTwoPass;
   plan.team_threads = kTwoPassThreads;
@@ -155,7 +164,7 @@ LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d) {
   return plan;
 }
 
-LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d) {
+LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanOptions& options) {
   LaunchPlan plan;
   plan.vec = s.vector_aligned ? full_vector(s.elem_bytes) : 1;
   const std::int64_t nvec = ceil_div(s.cols, plan.vec);
@@ -183,10 +192,21 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d) {
     return plan;
   }
 
-  // Rows too long for registers: a per-row coefficient kernel, then a column-tile kernel
-  // that writes dx and accumulates dw / db for its columns over a block of rows.
-  // TODO(perf): stage dy and x in (distributed) shared memory instead, as the forward does;
-  // this path reads dy and x twice (5/3 of the minimum traffic).
+  // Rows too long for registers: dy and x staged in shared memory (one CTA or a cluster
+  // per row), dw / db column sums in fp32 shared memory beside them; one partial slot per
+  // cluster.
+  const auto stage_bytes = [&](std::int64_t slice) {
+    return staged_backward_smem(slice, plan.vec, s.elem_bytes).total(s.accumulators);
+  };
+  if (options.staged_rows && plan_staged(nvec, slot_limit, d, stage_bytes, plan)) {
+    plan.partial_slots = plan.grid / plan.cluster_size;
+    plan.finish_lanes = finish_lanes_for(plan.partial_slots);
+    return plan;
+  }
+
+  // Beyond that: a per-row coefficient kernel, then a column-tile kernel that writes dx and
+  // accumulates dw / db for its columns over a block of rows. It reads dy and x twice (5/3
+  // of the minimum traffic).
   plan.kind = KernelKind::kTwoPass;
   plan.coef_threads = kTwoPassThreads;
   plan.team_threads = kTwoPassThreads;

@@ -11,8 +11,10 @@
 //   kClusterRow   larger than one SM's shared memory (sm_90): a thread-block cluster splits
 //                 the row, each CTA stages its slice, and the row statistics are combined
 //                 through distributed shared memory instead of a second global read.
-//   kTwoPass      everything else (sm_80 with huge D; the backward beyond register
-//                 capacity): the row is read from device memory again for each pass.
+//   kTwoPass      everything else (sm_80 with huge D; rows beyond what a cluster of 8 can
+//                 stage): the row is read from device memory again for each pass.
+// The backward uses the same kinds; its staged rows hold dy and x plus fp32 dw / db column
+// sums in shared memory, so they run out of room at a shorter D than the forward's.
 #pragma once
 
 #include <cstddef>
@@ -66,6 +68,7 @@ struct LaunchPlan {
 
   // Backward only. dw / db partial sums: `partial_slots` rows of `cols` fp32 each in the
   // workspace, summed in slot order by the finishing kernel (deterministic, no atomics).
+  // One slot per CTA (register kinds), per cluster (staged kinds) or per row block (kTwoPass).
   std::int64_t partial_slots = 0;
   // kTwoPass backward: grid of the column-tile kernel is col_tiles x row_blocks; the
   // per-row coefficient kernel runs `grid` CTAs of coef_threads.
@@ -84,6 +87,20 @@ constexpr int backward_max_vecs_per_thread(int accumulators, int vec) {
   return accumulators * vec * 4 <= 32 ? 4 : 2;
 }
 
+// Shared memory of one CTA of the staged backward (kSmemRow / kClusterRow): its slices of dy
+// and x (slice_vecs vectors each), then one fp32 slice per accumulator (dw, db). Every region
+// starts 16-byte aligned. The planner sizes launches with it and the kernel finds its
+// regions with it, so the two cannot disagree.
+struct StagedBackwardSmem {
+  std::int64_t stage_bytes;  // one of the dy / x slices
+  std::int64_t acc_bytes;    // one fp32 accumulator slice
+  constexpr std::int64_t total(int accumulators) const { return 2 * stage_bytes + accumulators * acc_bytes; }
+};
+constexpr std::int64_t round_up_16(std::int64_t bytes) { return (bytes + 15) / 16 * 16; }
+constexpr StagedBackwardSmem staged_backward_smem(std::int64_t slice_vecs, int vec, int elem_bytes) {
+  return {round_up_16(slice_vecs * vec * elem_bytes), round_up_16(slice_vecs * vec * 4)};
+}
+
 // Elements per 16-byte access for the element size.
 constexpr int full_vector(int elem_bytes) { return 16 / elem_bytes; }
 
@@ -92,8 +109,16 @@ constexpr int full_vector(int elem_bytes) { return 16 / elem_bytes; }
 bool can_vectorize(int elem_bytes, std::int64_t cols, std::initializer_list<const void*> pointers,
                    std::initializer_list<std::int64_t> row_strides);
 
-LaunchPlan plan_forward(const ProblemShape& shape, const DeviceInfo& device);
-LaunchPlan plan_backward(const ProblemShape& shape, const DeviceInfo& device);
+// Choices that are not the problem's or the device's: switches for A/B measurements.
+struct PlanOptions {
+  // false: rows beyond register capacity take the two-pass kernels instead of being staged
+  // in shared memory (the backend reads FUSEDNORM_CUDA_STAGED_ROWS=0; gpu_bench uses it to
+  // measure what staging gains on the same shapes in the same run).
+  bool staged_rows = true;
+};
+
+LaunchPlan plan_forward(const ProblemShape& shape, const DeviceInfo& device, const PlanOptions& options = {});
+LaunchPlan plan_backward(const ProblemShape& shape, const DeviceInfo& device, const PlanOptions& options = {});
 
 // The most partial-sum slots any backward plan uses for rows x cols: min(rows, 1024,
 // 2^24 / cols), at least 1. Independent of dtype and device so that the workspace size is.

@@ -42,6 +42,68 @@ __device__ __forceinline__ void store_floats(const float (&v)[kVec], float* dst)
   }
 }
 
+// ---- The per-element arithmetic, one definition for every backward kernel --------------
+
+// How many row sums the dx formula needs: sum g * x_hat, and sum g for LayerNorm.
+template <typename V>
+inline constexpr int kGradDots = V::kCentered ? 2 : 1;
+
+// What dx of a row needs besides its elements.
+struct RowGrad {
+  float mean;  // 0 for RMSNorm
+  float rstd;
+  float mean_g;       // mean(g); 0 for RMSNorm
+  float mean_g_xhat;  // mean(g * x_hat)
+};
+
+// kVec weight values for columns from vector j on ((w + offset) as fp32); zeros for a padding
+// vector past the row (j >= nvec), whose dy is zero: g = 0, never 0 * garbage.
+template <typename T, int kVec, typename V>
+__device__ __forceinline__ void load_grad_weight(const BackwardArgs& a, std::int64_t j, std::int64_t nvec,
+                                                 float (&w)[kVec]) {
+  if constexpr (V::kWeight) {
+    if (j < nvec) {
+      load_param<T, kVec>(a.weight, a.weight_f32, j * kVec, a.weight_offset, w);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) w[i] = 0.0f;
+}
+
+// dots[0] += sum of g * (x - mean) * scale, and for LayerNorm dots[1] += sum of g, over one
+// vector (g = dy * w; w unused without a weight).
+template <typename V, typename T, int kVec>
+__device__ __forceinline__ void add_grad_dots(const Pack<T, kVec>& dy, const Pack<T, kVec>& x,
+                                              const float (&w)[kVec], float mean, float scale,
+                                              float (&dots)[kGradDots<V>]) {
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const float gi = V::kWeight ? dy.get(i) * w[i] : dy.get(i);
+    dots[0] += gi * ((V::kCentered ? x.get(i) - mean : x.get(i)) * scale);
+    if constexpr (V::kCentered) dots[1] += gi;
+  }
+}
+
+// dx of one vector, rounded once to T; adds dy * x_hat to dw and dy to db (when the
+// variant accumulates them).
+template <typename V, typename T, int kVec>
+__device__ __forceinline__ Pack<T, kVec> grad_input(const Pack<T, kVec>& dy, const Pack<T, kVec>& x,
+                                                    const float (&w)[kVec], const RowGrad& r,
+                                                    float (&dw)[kVec], float (&db)[kVec]) {
+  Pack<T, kVec> out;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const float dyi = dy.get(i);
+    const float gi = V::kWeight ? dyi * w[i] : dyi;
+    const float xhat = (V::kCentered ? x.get(i) - r.mean : x.get(i)) * r.rstd;
+    if constexpr (V::kDw) dw[i] += dyi * xhat;
+    if constexpr (V::kDb) db[i] += dyi;
+    out.set(i, r.rstd * (gi - (V::kCentered ? r.mean_g : 0.0f) - xhat * r.mean_g_xhat));
+  }
+  return out;
+}
+
 // ---- Small and medium D: dy and x in registers, dw / db accumulated in registers -------
 
 // The CTA's partial row: sub-team sums (one per threadIdx.y) are added in threadIdx.y
@@ -99,9 +161,6 @@ __global__ void __launch_bounds__(512, 1)
 
   // The weight is re-read (from L1 / L2) where it is used: held across rows next to dy, x
   // and the dw / db accumulators it made ptxas spill.
-  auto load_w = [&](std::int64_t j, float (&w)[kVec]) {
-    if constexpr (V::kWeight) load_param<T, kVec>(a.weight, a.weight_f32, j * kVec, a.weight_offset, w);
-  };
   float dw[kK][kVec], db[kK][kVec];
 #pragma unroll
   for (int k = 0; k < kK; ++k) {
@@ -134,42 +193,20 @@ __global__ void __launch_bounds__(512, 1)
       if (V::kCentered && row_ok) mean = a.mean[row];
     } else {
       // Recompute exactly as the forward does.
-      float s[1] = {0.0f};
-#pragma unroll
-      for (int k = 0; k < kK; ++k) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float f = xv[k].get(i);
-          s[0] += V::kCentered ? f : f * f;
-        }
-      }
-      team_sum(s, team, scratch);
-      const float2 stats =
-          register_row_stats<V::kCentered>(xv, s[0], nvec, team, scratch, cols, a.eps);
+      const float2 stats = register_row_stats<V::kCentered>(xv, nvec, team, scratch, cols, a.eps);
       mean = stats.x;
       rstd = stats.y;
     }
 
-    constexpr int kDots = V::kCentered ? 2 : 1;
-    float dots[kDots];  // sum g * x_hat [, sum g]
-#pragma unroll
-    for (int d = 0; d < kDots; ++d) dots[d] = 0.0f;
+    float dots[kGradDots<V>] = {};
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
-      const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
       float w[kVec];
-      if (j < nvec) load_w(j, w);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        const float gi = V::kWeight && j < nvec ? dyv[k].get(i) * w[i] : dyv[k].get(i);
-        const float xhat = (V::kCentered ? xv[k].get(i) - mean : xv[k].get(i)) * rstd;
-        dots[0] += gi * xhat;
-        if constexpr (V::kCentered) dots[kDots - 1] += gi;
-      }
+      load_grad_weight<T, kVec, V>(a, threadIdx.x + std::int64_t{k} * team, nvec, w);
+      add_grad_dots<V>(dyv[k], xv[k], w, mean, rstd, dots);
     }
     team_sum(dots, team, scratch);
-    const float mean_g_xhat = dots[0] / cols;
-    const float mean_g = V::kCentered ? dots[kDots - 1] / cols : 0.0f;
+    const RowGrad r{mean, rstd, V::kCentered ? dots[kGradDots<V> - 1] / cols : 0.0f, dots[0] / cols};
 
     if (row_ok) {
       T* dx_row = a.dx != nullptr ? row_ptr<T>(a.dx, row, a.dx_stride) : nullptr;
@@ -178,17 +215,8 @@ __global__ void __launch_bounds__(512, 1)
         const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
         if (j >= nvec) continue;
         float w[kVec];
-        load_w(j, w);
-        Pack<T, kVec> out;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float dyi = dyv[k].get(i);
-          const float gi = V::kWeight ? dyi * w[i] : dyi;
-          const float xhat = (V::kCentered ? xv[k].get(i) - mean : xv[k].get(i)) * rstd;
-          if constexpr (V::kDw) dw[k][i] += dyi * xhat;
-          if constexpr (V::kDb) db[k][i] += dyi;
-          out.set(i, rstd * (gi - mean_g - xhat * mean_g_xhat));
-        }
+        load_grad_weight<T, kVec, V>(a, j, nvec, w);
+        const Pack<T, kVec> out = grad_input<V>(dyv[k], xv[k], w, r, dw[k], db[k]);
         if (dx_row != nullptr) out.store(dx_row + j * kVec);
       }
     }
@@ -202,7 +230,183 @@ __global__ void __launch_bounds__(512, 1)
   }
 }
 
-// ---- Large D: per-row coefficients, then column tiles ----------------------------------
+// ---- Large D: the row staged in shared memory (one CTA, or a cluster, per row) -----------
+
+// Persistent grid of clusters (a CTA is a cluster of one); cluster c takes rows c,
+// c + clusters, ... Each CTA owns the columns of its slice in every row: it stages its dy
+// and x slices in shared memory (read from device memory once), and keeps the fp32 dw / db
+// sums of those columns over its rows in shared memory beside them, written at the end to
+// partial slot c. Every thread reads back only what it staged (same j each pass), so the
+// staging needs no barrier; the row sums cross the cluster in rank order (row_total).
+//
+// Row sums: RMSNorm sums g * x (and x * x when rstd is recomputed) as the row is staged;
+// mean(g * x_hat) = rstd * sum(g * x) / D. LayerNorm with the forward's mean / rstd sums
+// g * (x - mean) and g while staging; without them it sums x while staging, then
+// (x - mean)^2, g * (x - mean) and g in one pass over shared memory.
+template <typename T, int kVec, typename V, RowStorage kStorage>
+__global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
+    norm_backward_row_kernel(const BackwardArgs a, const std::int64_t slice_vecs) {
+  extern __shared__ uint4 smem_words[];
+  __shared__ float scratch[32 * 3];
+  __shared__ float cluster_slot[2 * 3];
+  using Vec = Pack<T, kVec>;
+  constexpr int kPiece = kVec < 4 ? kVec : 4;  // fp32 accumulators move in 16-byte pieces
+  constexpr int kPieces = kVec / kPiece;
+  using Piece = Pack<float, kPiece>;
+  constexpr int kBatch = 4;  // vectors per thread loaded before the first is used
+
+  const StagedBackwardSmem layout = staged_backward_smem(slice_vecs, kVec, sizeof(T));
+  char* const smem = reinterpret_cast<char*>(smem_words);
+  Vec* const dy_stage = reinterpret_cast<Vec*>(smem);
+  Vec* const x_stage = reinterpret_cast<Vec*>(smem + layout.stage_bytes);
+  // Piece h of vector j sits at [h * slice_vecs + j]: a warp's accesses are consecutive.
+  Piece* const dw_acc = reinterpret_cast<Piece*>(smem + 2 * layout.stage_bytes);
+  Piece* const db_acc = reinterpret_cast<Piece*>(smem + 2 * layout.stage_bytes + (V::kDw ? layout.acc_bytes : 0));
+
+  auto read_sums = [&](const Piece* acc, std::int64_t jj, float (&v)[kVec]) {
+#pragma unroll
+    for (int h = 0; h < kPieces; ++h) {
+      const Piece p = acc[h * slice_vecs + jj];
+#pragma unroll
+      for (int i = 0; i < kPiece; ++i) v[h * kPiece + i] = p.get(i);
+    }
+  };
+  auto write_sums = [&](Piece* acc, std::int64_t jj, const float (&v)[kVec]) {
+#pragma unroll
+    for (int h = 0; h < kPieces; ++h) {
+      Piece p;
+#pragma unroll
+      for (int i = 0; i < kPiece; ++i) p.set(i, v[h * kPiece + i]);
+      acc[h * slice_vecs + jj] = p;
+    }
+  };
+
+  const int team = blockDim.x;
+  const std::int64_t nvec = a.cols / kVec;
+  const RowSlice slice = row_slice<kStorage>(nvec, slice_vecs);
+  const std::int64_t begin = slice.begin, end = slice.end;
+  const float cols = static_cast<float>(a.cols);
+  const bool given_stats = a.rstd != nullptr;
+
+  if constexpr (V::kAccumulate) {
+    const float zeros[kVec] = {};
+    for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
+      if constexpr (V::kDw) write_sums(dw_acc, j - begin, zeros);
+      if constexpr (V::kDb) write_sums(db_acc, j - begin, zeros);
+    }
+  }
+
+  for (std::int64_t row = slice.first_row(); row < a.rows; row += slice.row_step()) {
+    const T* dy = row_ptr<T>(a.dy, row, a.dy_stride);
+    const T* x = row_ptr<T>(a.x, row, a.x_stride);
+    float mean = 0.0f, rstd = 0.0f;
+    if (given_stats) {
+      rstd = a.rstd[row];
+      if (V::kCentered) mean = a.mean[row];
+    }
+
+    // Staging pass. RMSNorm: {sum g * x, sum x * x}; LayerNorm: {sum g * (x - mean), sum g}
+    // with the given mean, else {sum x}.
+    float sums[2] = {0.0f, 0.0f};
+    for (std::int64_t j0 = begin + threadIdx.x; j0 < end; j0 += std::int64_t{kBatch} * team) {
+      Vec dyv[kBatch], xv[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const std::int64_t j = j0 + std::int64_t{u} * team;
+        if (j < end) {
+          dyv[u].load(dy + j * kVec);
+          xv[u].load(x + j * kVec);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const std::int64_t j = j0 + std::int64_t{u} * team;
+        if (j >= end) continue;
+        dy_stage[j - begin] = dyv[u];
+        x_stage[j - begin] = xv[u];
+        if (V::kCentered && !given_stats) {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) sums[0] += xv[u].get(i);
+          continue;
+        }
+        float w[kVec];
+        load_grad_weight<T, kVec, V>(a, j, nvec, w);
+        float dots[kGradDots<V>] = {};
+        add_grad_dots<V>(dyv[u], xv[u], w, mean, 1.0f, dots);
+        sums[0] += dots[0];
+        if constexpr (V::kCentered) {
+          sums[1] += dots[kGradDots<V> - 1];
+        } else {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) sums[1] += xv[u].get(i) * xv[u].get(i);
+        }
+      }
+    }
+
+    RowGrad r;
+    if constexpr (!V::kCentered) {
+      row_total<kStorage>(sums, scratch, cluster_slot);
+      if (!given_stats) rstd = 1.0f / sqrtf(sums[1] / cols + a.eps);
+      r = RowGrad{0.0f, rstd, 0.0f, rstd * (sums[0] / cols)};
+    } else if (given_stats) {
+      row_total<kStorage>(sums, scratch, cluster_slot);
+      r = RowGrad{mean, rstd, sums[1] / cols, rstd * (sums[0] / cols)};
+    } else {
+      float total[1] = {sums[0]};
+      row_total<kStorage>(total, scratch, cluster_slot);
+      mean = total[0] / cols;
+      float more[3] = {0.0f, 0.0f, 0.0f};  // sum (x - mean)^2, sum g * (x - mean), sum g
+      for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
+        const Vec xv = x_stage[j - begin];
+        float w[kVec];
+        load_grad_weight<T, kVec, V>(a, j, nvec, w);
+        float dots[kGradDots<V>] = {};
+        add_grad_dots<V>(dy_stage[j - begin], xv, w, mean, 1.0f, dots);
+        more[1] += dots[0];
+        more[2] += dots[kGradDots<V> - 1];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float d = xv.get(i) - mean;
+          more[0] += d * d;
+        }
+      }
+      row_total<kStorage>(more, scratch, cluster_slot);
+      rstd = 1.0f / sqrtf(more[0] / cols + a.eps);
+      r = RowGrad{mean, rstd, more[2] / cols, rstd * (more[1] / cols)};
+    }
+
+    // dx, and this row's dy * x_hat and dy added to the CTA's column sums.
+    T* dx = a.dx != nullptr ? row_ptr<T>(a.dx, row, a.dx_stride) : nullptr;
+    for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
+      float w[kVec], dw[kVec], db[kVec];
+      load_grad_weight<T, kVec, V>(a, j, nvec, w);
+      if constexpr (V::kDw) read_sums(dw_acc, j - begin, dw);
+      if constexpr (V::kDb) read_sums(db_acc, j - begin, db);
+      const Vec out = grad_input<V>(dy_stage[j - begin], x_stage[j - begin], w, r, dw, db);
+      if constexpr (V::kDw) write_sums(dw_acc, j - begin, dw);
+      if constexpr (V::kDb) write_sums(db_acc, j - begin, db);
+      if (dx != nullptr) out.store(dx + j * kVec);
+    }
+  }
+
+  // The CTA's column sums over its cluster's rows: slot = cluster index.
+  const std::int64_t slot = blockIdx.x / slice.cluster_size;
+  for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
+#pragma unroll
+    for (int h = 0; h < kPieces; ++h) {
+      const std::int64_t col = j * kVec + h * kPiece;
+      if constexpr (V::kDw) {
+        if (a.dw_partial != nullptr) dw_acc[h * slice_vecs + (j - begin)].store(a.dw_partial + slot * a.cols + col);
+      }
+      if constexpr (V::kDb) {
+        if (a.db_partial != nullptr) db_acc[h * slice_vecs + (j - begin)].store(a.db_partial + slot * a.cols + col);
+      }
+    }
+  }
+}
+
+// ---- Beyond a cluster: per-row coefficients, then column tiles ----------------------------
+
 
 inline constexpr int kCoefThreads = kTwoPassThreads;
 inline constexpr int kTileRowBatch = 4;
@@ -265,43 +469,32 @@ __global__ void __launch_bounds__(kCoefThreads, 1) norm_backward_coef_kernel(con
       rstd = 1.0f / sqrtf(variance + a.eps);
     }
 
-    float2 dots = make_float2(0.0f, 0.0f);  // sum g * x_hat, sum g
+    float dots[kGradDots<V>] = {};
 #pragma unroll 4
     for (std::int64_t j = threadIdx.x; j < nvec; j += kCoefThreads) {
       Pack<T, kVec> dyv, xv;
       dyv.load(dy + j * kVec);
       xv.load(x + j * kVec);
       float w[kVec];
-      if constexpr (V::kWeight) load_param<T, kVec>(a.weight, a.weight_f32, j * kVec, a.weight_offset, w);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        const float gi = V::kWeight ? dyv.get(i) * w[i] : dyv.get(i);
-        dots.x += gi * ((V::kCentered ? xv.get(i) - mean : xv.get(i)) * rstd);
-        dots.y += gi;
-      }
+      load_grad_weight<T, kVec, V>(a, j, nvec, w);
+      add_grad_dots<V>(dyv, xv, w, mean, rstd, dots);
     }
-    dots = block_sum(dots);
-    const float mean_g_xhat = dots.x / cols;
-    const float mean_g = V::kCentered ? dots.y / cols : 0.0f;
+    const float2 totals = block_sum(make_float2(dots[0], dots[kGradDots<V> - 1]));
+    const RowGrad r{mean, rstd, V::kCentered ? totals.y / cols : 0.0f, totals.x / cols};
 
     if constexpr (kWriteDx) {
       T* dx = row_ptr<T>(a.dx, row, a.dx_stride);
+      float unused[kVec];  // the dx-only variant accumulates no dw / db
       for (std::int64_t j = threadIdx.x; j < nvec; j += kCoefThreads) {
-        Pack<T, kVec> dyv, xv, out;
+        Pack<T, kVec> dyv, xv;
         dyv.load(dy + j * kVec);
         xv.load(x + j * kVec);
         float w[kVec];
-        if constexpr (V::kWeight) load_param<T, kVec>(a.weight, a.weight_f32, j * kVec, a.weight_offset, w);
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float gi = V::kWeight ? dyv.get(i) * w[i] : dyv.get(i);
-          const float xhat = (V::kCentered ? xv.get(i) - mean : xv.get(i)) * rstd;
-          out.set(i, rstd * (gi - mean_g - xhat * mean_g_xhat));
-        }
-        out.store(dx + j * kVec);
+        load_grad_weight<T, kVec, V>(a, j, nvec, w);
+        grad_input<V>(dyv, xv, w, r, unused, unused).store(dx + j * kVec);
       }
     } else if (threadIdx.x == 0) {
-      reinterpret_cast<float4*>(a.coef)[row] = make_float4(mean, rstd, mean_g, mean_g_xhat);
+      reinterpret_cast<float4*>(a.coef)[row] = make_float4(r.mean, r.rstd, r.mean_g, r.mean_g_xhat);
     }
   }
 }
@@ -319,7 +512,7 @@ __global__ void __launch_bounds__(kTileThreads)
   const std::int64_t r1 = r0 + rows_per_block < a.rows ? r0 + rows_per_block : a.rows;
 
   float w[kVec];
-  if constexpr (V::kWeight) load_param<T, kVec>(a.weight, a.weight_f32, j * kVec, a.weight_offset, w);
+  load_grad_weight<T, kVec, V>(a, j, nvec, w);
   float dw[kVec], db[kVec];
 #pragma unroll
   for (int i = 0; i < kVec; ++i) dw[i] = db[i] = 0.0f;
@@ -339,17 +532,7 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
     for (int u = 0; u < kTileRowBatch; ++u) {
       if (r + u >= r1) continue;
-      const float mean = c[u].x, rstd = c[u].y, mean_g = c[u].z, mean_g_xhat = c[u].w;
-      Pack<T, kVec> out;
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        const float dyi = dyv[u].get(i);
-        const float gi = V::kWeight ? dyi * w[i] : dyi;
-        const float xhat = (V::kCentered ? xv[u].get(i) - mean : xv[u].get(i)) * rstd;
-        if constexpr (V::kDw) dw[i] += dyi * xhat;
-        if constexpr (V::kDb) db[i] += dyi;
-        out.set(i, rstd * (gi - (V::kCentered ? mean_g : 0.0f) - xhat * mean_g_xhat));
-      }
+      const Pack<T, kVec> out = grad_input<V>(dyv[u], xv[u], w, RowGrad{c[u].x, c[u].y, c[u].z, c[u].w}, dw, db);
       if (a.dx != nullptr) out.store(row_ptr<T>(a.dx, r + u, a.dx_stride) + j * kVec);
     }
   }

@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -144,16 +145,25 @@ __device__ __forceinline__ void team_sum(float (&v)[kN], int team, float* scratc
 }
 
 // mean and rstd of a row held in registers (kK packs of kVec elements per thread, the
-// team's threads striding over nvec packs), from `first`: the team-reduced sum (LayerNorm)
-// or sum of squares (RMSNorm). The one definition shared by the forward and the backward's
-// recomputation, so both give the same bits.
+// team's threads striding over nvec packs; padding packs are zero). The one definition
+// shared by the forward and the backward's recomputation, so both give the same bits.
 template <bool kCentered, typename T, int kVec, int kK>
-__device__ __forceinline__ float2 register_row_stats(const Pack<T, kVec> (&v)[kK], float first,
-                                                     std::int64_t nvec, int team, float* scratch,
-                                                     float cols, float eps) {
+__device__ __forceinline__ float2 register_row_stats(const Pack<T, kVec> (&v)[kK], std::int64_t nvec, int team,
+                                                     float* scratch, float cols, float eps) {
+  // The sum (LayerNorm) or sum of squares (RMSNorm); zero padding adds nothing.
+  float first[1] = {0.0f};
+#pragma unroll
+  for (int k = 0; k < kK; ++k) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const float f = v[k].get(i);
+      first[0] += kCentered ? f : f * f;
+    }
+  }
+  team_sum(first, team, scratch);
   float mean = 0.0f, variance;
   if constexpr (kCentered) {
-    mean = first / cols;
+    mean = first[0] / cols;
     float dev[1] = {0.0f};
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
@@ -169,9 +179,79 @@ __device__ __forceinline__ float2 register_row_stats(const Pack<T, kVec> (&v)[kK
     team_sum(dev, team, scratch);
     variance = dev[0] / cols;
   } else {
-    variance = first / cols;
+    variance = first[0] / cols;
   }
   return make_float2(mean, 1.0f / sqrtf(variance + eps));
+}
+
+// ---- Rows staged in shared memory (one CTA, or one thread-block cluster, per row) --------
+
+enum class RowStorage {
+  kSmem,     // the whole row staged in this CTA's shared memory
+  kCluster,  // a cluster splits the row; each CTA stages its slice (sm_90)
+  kGlobal,   // no staging: every pass reads the row from device memory again
+};
+
+// The columns (in vectors) this CTA owns of every row it works on: [begin, end), and the
+// CTA's place in its cluster. Rows go to clusters round-robin: cluster c takes rows c,
+// c + clusters, ...; a CTA without a cluster is a cluster of one.
+struct RowSlice {
+  int cluster_size;
+  int rank;
+  std::int64_t begin;
+  std::int64_t end;
+  __device__ __forceinline__ std::int64_t first_row() const { return blockIdx.x / cluster_size; }
+  __device__ __forceinline__ std::int64_t row_step() const { return gridDim.x / cluster_size; }
+};
+
+template <RowStorage kStorage>
+__device__ __forceinline__ RowSlice row_slice(std::int64_t nvec, std::int64_t slice_vecs) {
+  RowSlice s{1, 0, 0, nvec};
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kStorage == RowStorage::kCluster) {
+    s.cluster_size = static_cast<int>(cooperative_groups::this_cluster().num_blocks());
+    s.rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
+  }
+#endif
+  s.begin = s.rank * slice_vecs;
+  s.end = s.begin + slice_vecs < nvec ? s.begin + slice_vecs : nvec;
+  return s;
+}
+
+// The CTA's (or, for a cluster, the whole row's) totals of v; every thread gets them.
+// scratch: 32 * kN floats; cluster_slot: 2 * kN floats of static shared memory.
+template <RowStorage kStorage, int kN>
+__device__ __forceinline__ void row_total(float (&v)[kN], float* scratch, float* cluster_slot) {
+  team_sum(v, blockDim.x, scratch);
+  if constexpr (kStorage == RowStorage::kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) cluster_slot[k] = v[k];
+    }
+    cluster.sync();
+    if (threadIdx.x == 0) {
+      // Every CTA adds the same partials in rank order: the same bits everywhere.
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        float total = 0.0f;
+        for (unsigned rank = 0; rank < cluster.num_blocks(); ++rank) {
+          total += *cluster.map_shared_rank(cluster_slot + k, rank);
+        }
+        cluster_slot[kN + k] = total;
+      }
+    }
+    // Orders cluster_slot[kN..] for this CTA and keeps every CTA's first half alive until
+    // read (the next call writes it only after this barrier).
+    cluster.sync();
+#pragma unroll
+    for (int k = 0; k < kN; ++k) v[k] = cluster_slot[kN + k];
+#else
+    __trap();  // the planner launches clusters on sm_90 and newer only
+#endif
+  }
 }
 
 }  // namespace fusednorm::cuda

@@ -7,8 +7,6 @@
 // that stored value.
 #pragma once
 
-#include <cooperative_groups.h>
-
 #include <cstdint>
 
 #include "cuda/kernel_args.h"
@@ -83,23 +81,14 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
         v[k].zero();  // padding contributes nothing to the first statistic
       }
     }
-    float stat[1] = {0.0f};
+    if constexpr (V::kResidual) {
 #pragma unroll
-    for (int k = 0; k < kK; ++k) {
-      const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
-      if constexpr (V::kResidual) {
+      for (int k = 0; k < kK; ++k) {
+        const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
         if (row_ok && j < nvec) add_residual(v[k], r[k], res + j * kVec);
       }
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        const float f = v[k].get(i);
-        stat[0] += V::kCentered ? f : f * f;
-      }
     }
-    team_sum(stat, team, scratch);
-
-    const float2 stats =
-        register_row_stats<V::kCentered>(v, stat[0], nvec, team, scratch, cols, a.eps);
+    const float2 stats = register_row_stats<V::kCentered>(v, nvec, team, scratch, cols, a.eps);
     const float mean = stats.x, rstd = stats.y;
 
     if (row_ok) {
@@ -123,41 +112,6 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
 
 // ---- Large D: one CTA (or one cluster) per row ------------------------------------------
 
-enum class RowStorage {
-  kSmem,     // the whole row staged in this CTA's shared memory
-  kCluster,  // a cluster splits the row; each CTA stages its slice (sm_90)
-  kGlobal,   // no staging: every pass reads the row from device memory again
-};
-
-// The CTA's (or, for a cluster, the whole row's) total of v. Every thread gets it.
-template <RowStorage kStorage>
-__device__ __forceinline__ float row_total(float v, float* scratch, float* cluster_slot) {
-  float s[1] = {v};
-  team_sum(s, blockDim.x, scratch);
-  if constexpr (kStorage == RowStorage::kCluster) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    if (threadIdx.x == 0) cluster_slot[0] = s[0];
-    cluster.sync();
-    if (threadIdx.x == 0) {
-      // Every CTA adds the same partials in rank order: the same bits everywhere.
-      float total = 0.0f;
-      for (unsigned rank = 0; rank < cluster.num_blocks(); ++rank) {
-        total += *cluster.map_shared_rank(cluster_slot, rank);
-      }
-      cluster_slot[1] = total;
-    }
-    // Orders cluster_slot[1] for this CTA and keeps every slot[0] alive until read.
-    cluster.sync();
-    return cluster_slot[1];
-#else
-    __trap();  // the planner launches clusters on sm_90 and newer only
-#endif
-  }
-  return s[0];
-}
-
 // One row per CTA (per cluster for kCluster); blockDim.x threads stride over the CTA's
 // slice of slice_vecs vectors. Each thread reads back only the staged vectors it wrote, so
 // the staging needs no barrier.
@@ -171,27 +125,19 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
   constexpr bool kStaged = kStorage != RowStorage::kGlobal;
   constexpr int kBatch = 4;  // vectors per thread loaded before the first is used
 
-  int cluster_size = 1, rank = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (kStorage == RowStorage::kCluster) {
-    cluster_size = static_cast<int>(cooperative_groups::this_cluster().num_blocks());
-    rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
-  }
-#endif
   const int team = blockDim.x;
-  const std::int64_t nvec = a.cols / kVec;
-  const std::int64_t begin = rank * slice_vecs;
-  const std::int64_t end = begin + slice_vecs < nvec ? begin + slice_vecs : nvec;
+  const RowSlice slice = row_slice<kStorage>(a.cols / kVec, slice_vecs);
+  const std::int64_t begin = slice.begin, end = slice.end;
   const std::int64_t step = std::int64_t{kBatch} * team;
   const float cols = static_cast<float>(a.cols);
 
-  for (std::int64_t row = blockIdx.x / cluster_size; row < a.rows; row += gridDim.x / cluster_size) {
+  for (std::int64_t row = slice.first_row(); row < a.rows; row += slice.row_step()) {
     const T* x = row_ptr<T>(a.x, row, a.x_stride);
     T* res = V::kResidual ? row_ptr<T>(a.residual, row, a.residual_stride) : nullptr;
     // The value that is normalized: the updated residual for the fused add, else x.
     const T* src = V::kResidual ? res : x;
 
-    float stat = 0.0f;
+    float stat[1] = {0.0f};
     for (std::int64_t j0 = begin + threadIdx.x; j0 < end; j0 += step) {
       Pack<T, kVec> v[kBatch], r[kBatch];
 #pragma unroll
@@ -211,12 +157,12 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
 #pragma unroll
           for (int i = 0; i < kVec; ++i) {
             const float f = v[u].get(i);
-            stat += V::kCentered ? f : f * f;
+            stat[0] += V::kCentered ? f : f * f;
           }
         }
       }
     }
-    stat = row_total<kStorage>(stat, scratch, cluster_slot);
+    row_total<kStorage>(stat, scratch, cluster_slot);
 
     auto staged = [&](std::int64_t j) {
       Pack<T, kVec> v;
@@ -230,19 +176,20 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
 
     float mean = 0.0f, variance;
     if constexpr (V::kCentered) {
-      mean = stat / cols;
-      float dev = 0.0f;
+      mean = stat[0] / cols;
+      float dev[1] = {0.0f};
       for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
         const Pack<T, kVec> v = staged(j);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
           const float d = v.get(i) - mean;
-          dev += d * d;
+          dev[0] += d * d;
         }
       }
-      variance = row_total<kStorage>(dev, scratch, cluster_slot) / cols;
+      row_total<kStorage>(dev, scratch, cluster_slot);
+      variance = dev[0] / cols;
     } else {
-      variance = stat / cols;
+      variance = stat[0] / cols;
     }
     const float rstd = 1.0f / sqrtf(variance + a.eps);
 
@@ -253,7 +200,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       if constexpr (V::kBias) load_param<T, kVec>(a.bias, a.bias_f32, j * kVec, 0.0f, b);
       normalize_store<V>(staged(j), w, b, mean, rstd, y + j * kVec);
     }
-    if (rank == 0 && threadIdx.x == 0) {
+    if (slice.rank == 0 && threadIdx.x == 0) {
       if (a.rstd != nullptr) a.rstd[row] = rstd;
       if (V::kCentered && a.mean != nullptr) a.mean[row] = mean;
     }

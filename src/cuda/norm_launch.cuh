@@ -86,6 +86,16 @@ cudaError_t launch_backward_variant(const LaunchPlan& plan, const BackwardArgs& 
                              stream, a, plan.rows_per_block);
       }
     }
+    if (plan.kind == KernelKind::kSmemRow) {
+      return launch_kernel(norm_backward_row_kernel<T, kVec, V, RowStorage::kSmem>,
+                           dim3(static_cast<unsigned>(plan.grid)), dim3(plan.team_threads), plan.smem_bytes, 1,
+                           stream, a, plan.slice_vecs);
+    }
+    if (plan.kind == KernelKind::kClusterRow) {
+      return launch_kernel(norm_backward_row_kernel<T, kVec, V, RowStorage::kCluster>,
+                           dim3(static_cast<unsigned>(plan.grid)), dim3(plan.team_threads), plan.smem_bytes,
+                           plan.cluster_size, stream, a, plan.slice_vecs);
+    }
     const std::int64_t groups = ceil_div64(a.rows, plan.rows_per_cta);
     const dim3 block(plan.team_threads, plan.rows_per_cta);
     return with_int<1, 2, 4>(plan.vecs_per_thread, [&](auto k) -> cudaError_t {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -116,12 +117,19 @@ struct Case {
   }
 };
 
+// FUSEDNORM_TEST_QUICK=1 (bench/gpu/run.sh sets it under compute-sanitizer, which runs
+// kernels far slower): every D of the sweep, so every kernel kind, but at most 3 rows.
+bool quick() {
+  const char* env = std::getenv("FUSEDNORM_TEST_QUICK");
+  return env != nullptr && env[0] != '\0' && env[0] != '0';
+}
+
 std::vector<Case> sweep() {
   std::vector<Case> cases;
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     // 12288: fp32 rows of exactly 48 KB in shared memory (needs the opt-in with static smem).
     for (std::int64_t cols : {1, 7, 64, 128, 1000, 4096, 5120, 12288, 16384, 32768, 65536, 262144}) {
-      const std::int64_t rows = cols >= 65536 ? 3 : cols >= 4096 ? 37 : 301;
+      const std::int64_t rows = cols >= 65536 || quick() ? 3 : cols >= 4096 ? 37 : 301;
       cases.push_back({dt, rows, cols});
       if (cols == 128 || cols == 4096 || cols == 65536) {
         cases.push_back({dt, rows, cols, 8, 0, true, true, 1.0f});  // strided, fp32 weight, Gemma
@@ -136,32 +144,102 @@ std::mt19937 rng_for(const Case& c) {
   return std::mt19937(static_cast<unsigned>(c.cols * 131 + c.rows * 7 + static_cast<int>(c.dtype)));
 }
 
+void check_rms_norm(const Case& c) {
+  std::mt19937 rng = rng_for(c);
+  const std::int64_t stride = c.cols + c.pad;
+  Buffer x(c.dtype, c.rows * stride, c.misalign), y(c.dtype, c.rows * stride, c.misalign);
+  Buffer w(c.weight_f32 ? DType::kFloat32 : c.dtype, c.cols, c.misalign), rstd(DType::kFloat32, c.rows);
+  ASSERT_TRUE(x.ok() && y.ok() && w.ok() && rstd.ok());
+  x.fill_random(rng);
+  w.fill_random(rng, 0.5f, 1.5f);
+  y.fill(NAN);  // poisoned: every element must be written
+  x.upload();
+  w.upload();
+  y.upload();
+  const RmsNormOptions opt{1e-6f, c.offset};
+  const ConstVector wv = c.weight ? ConstVector{w.device(), w.dtype(), c.cols} : ConstVector{};
+  rms_norm(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols, stride), wv,
+           matrix(y.device(), c.dtype, c.rows, c.cols, stride), static_cast<float*>(rstd.device()), opt);
+  CUDA_OK(cudaDeviceSynchronize());
+  y.download();
+  rstd.download();
+  const ConstVector wh = c.weight ? ConstVector{w.host(), w.dtype(), c.cols} : ConstVector{};
+  const auto ref = reference::rms_norm(const_matrix(x.host(), c.dtype, c.rows, c.cols, stride), wh, opt);
+  expect_close(ref.y, [&](std::int64_t i) { return y.get(i / c.cols * stride + i % c.cols); }, tolerance(c.dtype), "y");
+  expect_close(ref.rstd, [&](std::int64_t i) { return rstd.get(i); }, 2e-5, "rstd");
+}
+
+void check_fused_add_rms_norm(const Case& c) {
+  std::mt19937 rng = rng_for(c);
+  const std::int64_t stride = c.cols + c.pad;
+  Buffer x(c.dtype, c.rows * stride, c.misalign), res(c.dtype, c.rows * stride, c.misalign);
+  Buffer w(c.weight_f32 ? DType::kFloat32 : c.dtype, c.cols, c.misalign), rstd(DType::kFloat32, c.rows);
+  ASSERT_TRUE(x.ok() && res.ok() && w.ok() && rstd.ok());
+  x.fill_random(rng);
+  res.fill_random(rng);
+  w.fill_random(rng, 0.5f, 1.5f);
+  x.upload();
+  res.upload();
+  w.upload();
+  const RmsNormOptions opt{1e-6f, c.offset};
+  const ConstVector wh = c.weight ? ConstVector{w.host(), w.dtype(), c.cols} : ConstVector{};
+  const auto ref = reference::fused_add_rms_norm(const_matrix(x.host(), c.dtype, c.rows, c.cols, stride),
+                                                 const_matrix(res.host(), c.dtype, c.rows, c.cols, stride), wh, opt);
+  // y written in place over x.
+  const ConstVector wv = c.weight ? ConstVector{w.device(), w.dtype(), c.cols} : ConstVector{};
+  fused_add_rms_norm(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols, stride),
+                     matrix(res.device(), c.dtype, c.rows, c.cols, stride), wv,
+                     matrix(x.device(), c.dtype, c.rows, c.cols, stride), static_cast<float*>(rstd.device()), opt);
+  CUDA_OK(cudaDeviceSynchronize());
+  x.download();
+  res.download();
+  auto at = [&](std::int64_t i) { return i / c.cols * stride + i % c.cols; };
+  // The stored residual is x + residual rounded once: exact match expected.
+  expect_close(ref.residual, [&](std::int64_t i) { return res.get(at(i)); }, 0.0, "residual");
+  expect_close(ref.y, [&](std::int64_t i) { return x.get(at(i)); }, tolerance(c.dtype), "y");
+}
+
+void check_layer_norm(const Case& c) {
+  for (bool bias : {false, true}) {
+    SCOPED_TRACE(bias ? "bias" : "no bias");
+    std::mt19937 rng = rng_for(c);
+    const std::int64_t stride = c.cols + c.pad;
+    const DType pdt = c.weight_f32 ? DType::kFloat32 : c.dtype;
+    Buffer x(c.dtype, c.rows * stride, c.misalign), y(c.dtype, c.rows * stride, c.misalign);
+    Buffer w(pdt, c.cols, c.misalign), b(pdt, c.cols, c.misalign);
+    Buffer mean(DType::kFloat32, c.rows), rstd(DType::kFloat32, c.rows);
+    ASSERT_TRUE(x.ok() && y.ok() && w.ok() && b.ok() && mean.ok() && rstd.ok());
+    x.fill_random(rng, -1.0f, 3.0f);  // non-zero mean
+    w.fill_random(rng, 0.5f, 1.5f);
+    b.fill_random(rng);
+    y.fill(NAN);
+    x.upload();
+    w.upload();
+    b.upload();
+    y.upload();
+    const ConstVector wv = c.weight ? ConstVector{w.device(), pdt, c.cols} : ConstVector{};
+    const ConstVector bv = bias ? ConstVector{b.device(), pdt, c.cols} : ConstVector{};
+    layer_norm(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols, stride), wv, bv,
+               matrix(y.device(), c.dtype, c.rows, c.cols, stride), static_cast<float*>(mean.device()),
+               static_cast<float*>(rstd.device()));
+    CUDA_OK(cudaDeviceSynchronize());
+    y.download();
+    mean.download();
+    rstd.download();
+    const ConstVector wh = c.weight ? ConstVector{w.host(), pdt, c.cols} : ConstVector{};
+    const ConstVector bh = bias ? ConstVector{b.host(), pdt, c.cols} : ConstVector{};
+    const auto ref = reference::layer_norm(const_matrix(x.host(), c.dtype, c.rows, c.cols, stride), wh, bh);
+    expect_close(ref.y, [&](std::int64_t i) { return y.get(i / c.cols * stride + i % c.cols); }, tolerance(c.dtype), "y");
+    expect_close(ref.mean, [&](std::int64_t i) { return mean.get(i); }, 2e-5, "mean");
+    expect_close(ref.rstd, [&](std::int64_t i) { return rstd.get(i); }, 2e-4, "rstd");
+  }
+}
+
 TEST(CudaForward, RmsNormMatchesReference) {
   REQUIRE_GPU();
   for (const Case& c : sweep()) {
     SCOPED_TRACE(c.name());
-    std::mt19937 rng = rng_for(c);
-    const std::int64_t stride = c.cols + c.pad;
-    Buffer x(c.dtype, c.rows * stride, c.misalign), y(c.dtype, c.rows * stride, c.misalign);
-    Buffer w(c.weight_f32 ? DType::kFloat32 : c.dtype, c.cols, c.misalign), rstd(DType::kFloat32, c.rows);
-    ASSERT_TRUE(x.ok() && y.ok() && w.ok() && rstd.ok());
-    x.fill_random(rng);
-    w.fill_random(rng, 0.5f, 1.5f);
-    y.fill(NAN);  // poisoned: every element must be written
-    x.upload();
-    w.upload();
-    y.upload();
-    const RmsNormOptions opt{1e-6f, c.offset};
-    const ConstVector wv = c.weight ? ConstVector{w.device(), w.dtype(), c.cols} : ConstVector{};
-    rms_norm(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols, stride), wv,
-             matrix(y.device(), c.dtype, c.rows, c.cols, stride), static_cast<float*>(rstd.device()), opt);
-    CUDA_OK(cudaDeviceSynchronize());
-    y.download();
-    rstd.download();
-    const ConstVector wh = c.weight ? ConstVector{w.host(), w.dtype(), c.cols} : ConstVector{};
-    const auto ref = reference::rms_norm(const_matrix(x.host(), c.dtype, c.rows, c.cols, stride), wh, opt);
-    expect_close(ref.y, [&](std::int64_t i) { return y.get(i / c.cols * stride + i % c.cols); }, tolerance(c.dtype), "y");
-    expect_close(ref.rstd, [&](std::int64_t i) { return rstd.get(i); }, 2e-5, "rstd");
+    check_rms_norm(c);
   }
 }
 
@@ -169,72 +247,15 @@ TEST(CudaForward, FusedAddRmsNormMatchesReference) {
   REQUIRE_GPU();
   for (const Case& c : sweep()) {
     SCOPED_TRACE(c.name());
-    std::mt19937 rng = rng_for(c);
-    const std::int64_t stride = c.cols + c.pad;
-    Buffer x(c.dtype, c.rows * stride, c.misalign), res(c.dtype, c.rows * stride, c.misalign);
-    Buffer w(c.weight_f32 ? DType::kFloat32 : c.dtype, c.cols, c.misalign), rstd(DType::kFloat32, c.rows);
-    ASSERT_TRUE(x.ok() && res.ok() && w.ok() && rstd.ok());
-    x.fill_random(rng);
-    res.fill_random(rng);
-    w.fill_random(rng, 0.5f, 1.5f);
-    x.upload();
-    res.upload();
-    w.upload();
-    const RmsNormOptions opt{1e-6f, c.offset};
-    const ConstVector wh = c.weight ? ConstVector{w.host(), w.dtype(), c.cols} : ConstVector{};
-    const auto ref = reference::fused_add_rms_norm(const_matrix(x.host(), c.dtype, c.rows, c.cols, stride),
-                                                   const_matrix(res.host(), c.dtype, c.rows, c.cols, stride), wh, opt);
-    // y written in place over x.
-    const ConstVector wv = c.weight ? ConstVector{w.device(), w.dtype(), c.cols} : ConstVector{};
-    fused_add_rms_norm(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols, stride),
-                       matrix(res.device(), c.dtype, c.rows, c.cols, stride), wv,
-                       matrix(x.device(), c.dtype, c.rows, c.cols, stride), static_cast<float*>(rstd.device()), opt);
-    CUDA_OK(cudaDeviceSynchronize());
-    x.download();
-    res.download();
-    auto at = [&](std::int64_t i) { return i / c.cols * stride + i % c.cols; };
-    // The stored residual is x + residual rounded once: exact match expected.
-    expect_close(ref.residual, [&](std::int64_t i) { return res.get(at(i)); }, 0.0, "residual");
-    expect_close(ref.y, [&](std::int64_t i) { return x.get(at(i)); }, tolerance(c.dtype), "y");
+    check_fused_add_rms_norm(c);
   }
 }
 
 TEST(CudaForward, LayerNormMatchesReference) {
   REQUIRE_GPU();
   for (const Case& c : sweep()) {
-    for (bool bias : {false, true}) {
-      SCOPED_TRACE(c.name() + (bias ? " bias" : " no-bias"));
-      std::mt19937 rng = rng_for(c);
-      const std::int64_t stride = c.cols + c.pad;
-      const DType pdt = c.weight_f32 ? DType::kFloat32 : c.dtype;
-      Buffer x(c.dtype, c.rows * stride, c.misalign), y(c.dtype, c.rows * stride, c.misalign);
-      Buffer w(pdt, c.cols, c.misalign), b(pdt, c.cols, c.misalign);
-      Buffer mean(DType::kFloat32, c.rows), rstd(DType::kFloat32, c.rows);
-      ASSERT_TRUE(x.ok() && y.ok() && w.ok() && b.ok() && mean.ok() && rstd.ok());
-      x.fill_random(rng, -1.0f, 3.0f);  // non-zero mean
-      w.fill_random(rng, 0.5f, 1.5f);
-      b.fill_random(rng);
-      y.fill(NAN);
-      x.upload();
-      w.upload();
-      b.upload();
-      y.upload();
-      const ConstVector wv = c.weight ? ConstVector{w.device(), pdt, c.cols} : ConstVector{};
-      const ConstVector bv = bias ? ConstVector{b.device(), pdt, c.cols} : ConstVector{};
-      layer_norm(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols, stride), wv, bv,
-                 matrix(y.device(), c.dtype, c.rows, c.cols, stride), static_cast<float*>(mean.device()),
-                 static_cast<float*>(rstd.device()));
-      CUDA_OK(cudaDeviceSynchronize());
-      y.download();
-      mean.download();
-      rstd.download();
-      const ConstVector wh = c.weight ? ConstVector{w.host(), pdt, c.cols} : ConstVector{};
-      const ConstVector bh = bias ? ConstVector{b.host(), pdt, c.cols} : ConstVector{};
-      const auto ref = reference::layer_norm(const_matrix(x.host(), c.dtype, c.rows, c.cols, stride), wh, bh);
-      expect_close(ref.y, [&](std::int64_t i) { return y.get(i / c.cols * stride + i % c.cols); }, tolerance(c.dtype), "y");
-      expect_close(ref.mean, [&](std::int64_t i) { return mean.get(i); }, 2e-5, "mean");
-      expect_close(ref.rstd, [&](std::int64_t i) { return rstd.get(i); }, 2e-4, "rstd");
-    }
+    SCOPED_TRACE(c.name());
+    check_layer_norm(c);
   }
 }
 
@@ -338,6 +359,43 @@ TEST(CudaBackward, LayerNormMatchesReference) {
     SCOPED_TRACE(c.name());
     check_backward(c, true, true, c.weight, true, c.cols % 2 == 0, false);
   }
+}
+
+// Rows beyond register capacity are staged in shared memory, one CTA or cluster per row;
+// with more rows than clusters each CTA sums dw / db over several rows before writing its
+// slot. (fp32 16384: one CTA per row; bf16 32768: clusters of 2; fp16 65536 LayerNorm with
+// dw and db: clusters of 4 on an H200.)
+TEST(CudaBackward, StagedRowsSumOverManyRowsPerCluster) {
+  REQUIRE_GPU();
+  const std::int64_t rows = 301;  // more than the clusters of every plan here (quick too)
+  for (const Case& c : {Case{DType::kFloat32, rows, 16384}, Case{DType::kBFloat16, rows, 32768},
+                        Case{DType::kFloat16, rows, 65536, 0, 0, true, true, 1.0f}}) {
+    SCOPED_TRACE(c.name());
+    for (bool pass_stats : {false, true}) {
+      check_backward(c, false, true, true, false, pass_stats, false);
+      check_backward(c, true, true, true, true, pass_stats, false);
+    }
+    check_backward(c, false, true, true, false, true, true);  // dx over dy
+  }
+}
+
+// FUSEDNORM_CUDA_STAGED_ROWS=0 sends rows beyond register capacity to the two-pass kernels
+// (gpu_bench's A/B rows; on an H200 the forward reaches them otherwise only past D = 8 x
+// 227 KB): the same checks on them.
+TEST(CudaTwoPass, MatchesReferenceWhenStagingIsOff) {
+  REQUIRE_GPU();
+  setenv("FUSEDNORM_CUDA_STAGED_ROWS", "0", 1);
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (const Case& c : {Case{dt, 37, 16384}, Case{dt, 3, 65536, 8, 0, true, true, 1.0f}, Case{dt, 5, 12288, 3, 1, false}}) {
+      SCOPED_TRACE(c.name());
+      check_rms_norm(c);
+      check_fused_add_rms_norm(c);
+      check_layer_norm(c);
+      check_backward(c, false, true, c.weight, false, true, false);
+      check_backward(c, true, true, c.weight, true, false, false);
+    }
+  }
+  unsetenv("FUSEDNORM_CUDA_STAGED_ROWS");
 }
 
 TEST(CudaBackward, PartialOutputsAndAliasing) {

@@ -120,12 +120,54 @@ TEST(LaunchPlan, BackwardAccumulatorsBoundVectorsPerThread) {
   const LaunchPlan rms = plan_backward(shape(4096, 16384, 2, true, 1), kH200);
   EXPECT_EQ(rms.kind, KernelKind::kRegisterRow);
   EXPECT_EQ(rms.vecs_per_thread, 4);
-  EXPECT_EQ(plan_backward(shape(4096, 16384, 2, true, 2), kH200).kind, KernelKind::kTwoPass);
+  // Past register capacity the row is staged in shared memory instead.
+  EXPECT_EQ(plan_backward(shape(4096, 16384, 2, true, 2), kH200).kind, KernelKind::kSmemRow);
+}
+
+TEST(LaunchPlan, BackwardBeyondRegistersStagesDyAndXInSharedMemory) {
+  // fp32 D = 16384 with dw: dy, x and the fp32 dw sums, 64 KB each, in one CTA.
+  const LaunchPlan f32 = plan_backward(shape(4096, 16384, 4, true, 1), kH200);
+  EXPECT_EQ(f32.kind, KernelKind::kSmemRow);
+  EXPECT_EQ(f32.cluster_size, 1);
+  EXPECT_EQ(f32.slice_vecs, 16384 / 4);
+  EXPECT_EQ(f32.smem_bytes, 3 * 65536);
+  EXPECT_EQ(f32.threads_per_cta, kMaxThreadsPerCta);
+  EXPECT_EQ(f32.grid, kH200.sm_count);  // one 192 KB CTA per SM
+  EXPECT_EQ(f32.partial_slots, f32.grid);
+
+  // bf16 D = 65536 with dw: 512 KB of staging and sums, a cluster of 4 x 128 KB; one
+  // partial slot per cluster.
+  const LaunchPlan bf16 = plan_backward(shape(1024, 65536, 2, true, 1), kH200);
+  EXPECT_EQ(bf16.kind, KernelKind::kClusterRow);
+  EXPECT_EQ(bf16.cluster_size, 4);
+  EXPECT_EQ(bf16.smem_bytes, 2 * 2048 * 16 + 2048 * 8 * 4);
+  EXPECT_EQ(bf16.grid, kH200.sm_count / 4 * 4);
+  EXPECT_EQ(bf16.partial_slots, bf16.grid / 4);
+
+  // LayerNorm fp32 with dw and db: 64 bytes per vector of 4, a cluster of 8.
+  EXPECT_EQ(plan_backward(shape(1024, 65536, 4, true, 2), kH200).cluster_size, 8);
+  // dx only needs no sums: bf16 D = 262144 fits a cluster of 8 x 128 KB.
+  const LaunchPlan dx_only = plan_backward(shape(256, 262144, 2, true, 0), kH200);
+  EXPECT_EQ(dx_only.kind, KernelKind::kClusterRow);
+  EXPECT_EQ(dx_only.cluster_size, 8);
+  // Fewer rows than clusters: one cluster, and one slot, per row.
+  const LaunchPlan few = plan_backward(shape(3, 65536, 2, true, 1), kH200);
+  EXPECT_EQ(few.grid, 3 * few.cluster_size);
+  EXPECT_EQ(few.partial_slots, 3);
+
+  // With dw, bf16 D = 262144 needs 2 MB: more than a portable cluster of 8 holds.
   const LaunchPlan huge = plan_backward(shape(256, 262144, 2, true, 1), kH200);
   EXPECT_EQ(huge.kind, KernelKind::kTwoPass);
   EXPECT_GE(huge.col_tiles * kTileThreads * huge.vec, 262144);
   EXPECT_GE(huge.row_blocks * huge.rows_per_block, 256);
   EXPECT_EQ(huge.partial_slots, huge.row_blocks);
+  // The A/B switch: the same shapes on the two-pass kernels.
+  EXPECT_EQ(plan_backward(shape(1024, 65536, 2, true, 1), kH200, PlanOptions{false}).kind, KernelKind::kTwoPass);
+  EXPECT_EQ(plan_forward(shape(1024, 65536, 2), kH200, PlanOptions{false}).kind, KernelKind::kTwoPass);
+  EXPECT_EQ(plan_forward(shape(1024, 4096, 2), kH200, PlanOptions{false}).kind, KernelKind::kRegisterRow);
+  // No clusters on sm_80, and 192 KB exceeds its 163 KB per CTA.
+  EXPECT_EQ(plan_backward(shape(4096, 16384, 4, true, 1), kA100).kind, KernelKind::kTwoPass);
+  EXPECT_EQ(plan_backward(shape(4096, 12288, 4, true, 1), kA100).kind, KernelKind::kSmemRow);  // 144 KB
 }
 
 // Invariants over a sweep of shapes, dtypes, alignments and devices.
@@ -182,19 +224,35 @@ TEST(LaunchPlan, InvariantsOverSweep) {
               EXPECT_LE(b.threads_per_cta, 512);
               EXPECT_GE(b.partial_slots, 1);
               EXPECT_LE(b.partial_slots, max_partial_slots(rows, cols));
-              EXPECT_LE(b.smem_bytes, 48 * 1024);
+              EXPECT_LE(b.smem_bytes, dev.max_smem_per_block - kStaticSmemReserve);
               EXPECT_GE(b.finish_lanes, 1);
               EXPECT_LE(b.finish_lanes, 32);
-              if (b.kind == KernelKind::kTwoPass) {
-                EXPECT_GE(b.col_tiles * kTileThreads, nvec);
-                EXPECT_LE(b.row_blocks, 65535);
-                EXPECT_GE(b.row_blocks * b.rows_per_block, rows);
-              } else {
-                EXPECT_GE(std::int64_t{b.team_threads} * b.vecs_per_thread, nvec);
-                EXPECT_LE(b.vecs_per_thread, backward_max_vecs_per_thread(acc, b.vec));
-                EXPECT_EQ(b.partial_slots, b.grid);
-                EXPECT_EQ(b.threads_per_cta % 32, 0);
-                EXPECT_EQ(b.threads_per_cta, b.team_threads * b.rows_per_cta);
+              EXPECT_EQ(b.grid % b.cluster_size, 0);
+              switch (b.kind) {
+                case KernelKind::kTwoPass:
+                  EXPECT_GE(b.col_tiles * kTileThreads, nvec);
+                  EXPECT_LE(b.row_blocks, 65535);
+                  EXPECT_GE(b.row_blocks * b.rows_per_block, rows);
+                  break;
+                case KernelKind::kSmemRow:
+                case KernelKind::kClusterRow:
+                  EXPECT_GE(b.slice_vecs * b.cluster_size, nvec);
+                  EXPECT_EQ(b.smem_bytes, staged_backward_smem(b.slice_vecs, b.vec, esize).total(acc));
+                  EXPECT_EQ(b.partial_slots, b.grid / b.cluster_size);
+                  EXPECT_EQ(b.threads_per_cta, kMaxThreadsPerCta);
+                  if (b.kind == KernelKind::kClusterRow) {
+                    EXPECT_GE(dev.cc_major, 9);
+                  }
+                  break;
+                case KernelKind::kRowsPerCta:
+                case KernelKind::kRegisterRow:
+                  EXPECT_LE(b.smem_bytes, 48 * 1024);  // the dw / db combine buffer
+                  EXPECT_GE(std::int64_t{b.team_threads} * b.vecs_per_thread, nvec);
+                  EXPECT_LE(b.vecs_per_thread, backward_max_vecs_per_thread(acc, b.vec));
+                  EXPECT_EQ(b.partial_slots, b.grid);
+                  EXPECT_EQ(b.threads_per_cta % 32, 0);
+                  EXPECT_EQ(b.threads_per_cta, b.team_threads * b.rows_per_cta);
+                  break;
               }
             }
           }
