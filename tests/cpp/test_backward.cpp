@@ -197,14 +197,7 @@ BackwardCase random_case(Rng& rng, int c) {
 
 // ---- RMSNorm ------------------------------------------------------------------------------
 
-using RmsBackwardParam = std::tuple<DType, WeightKind, float /*weight_offset*/>;
-
-class RmsNormBackwardTest : public ::testing::TestWithParam<RmsBackwardParam> {
- protected:
-  DType dtype() const { return std::get<0>(GetParam()); }
-  WeightKind weight_kind() const { return std::get<1>(GetParam()); }
-  float offset() const { return std::get<2>(GetParam()); }
-};
+class RmsNormBackwardTest : public RmsVariantTest {};
 
 TEST_P(RmsNormBackwardTest, RandomShapesAndStrides) {
   const int cases = case_count(30, 10);
@@ -265,18 +258,7 @@ TEST_P(RmsNormBackwardTest, ZeroRowsZeroesDw) {
   EXPECT_TRUE(dx.check_unchanged("dx", dx_before));
 }
 
-std::string rms_backward_name(const ::testing::TestParamInfo<RmsBackwardParam>& info) {
-  return dtype_str(std::get<0>(info.param)) + "_w_" + weight_kind_str(std::get<1>(info.param)) +
-         (std::get<2>(info.param) != 0.0f ? "_gemma" : "");
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    AllVariants, RmsNormBackwardTest,
-    ::testing::Combine(::testing::ValuesIn(kAllDTypes),
-                       ::testing::Values(WeightKind::kNone, WeightKind::kSame,
-                                         WeightKind::kFloat32),
-                       ::testing::Values(0.0f, 1.0f)),
-    rms_backward_name);
+INSTANTIATE_TEST_SUITE_P(AllVariants, RmsNormBackwardTest, all_rms_variants(), rms_variant_name);
 
 // ---- LayerNorm ----------------------------------------------------------------------------
 

@@ -1,20 +1,12 @@
 // fused_add_rms_norm: residual <- x + residual in place (compared bit-exactly with the
 // reference's rounded residual), y = rms_norm(residual) against the fp64 reference.
-#include <tuple>
-
 #include "test_util.h"
 
 namespace fusednorm::test {
 namespace {
 
-using FusedParam = std::tuple<DType, WeightKind, float /*weight_offset*/>;
-
-class FusedAddTest : public ::testing::TestWithParam<FusedParam> {
+class FusedAddTest : public RmsVariantTest {
  protected:
-  DType dtype() const { return std::get<0>(GetParam()); }
-  WeightKind weight_kind() const { return std::get<1>(GetParam()); }
-  float offset() const { return std::get<2>(GetParam()); }
-
   void run_case(Rng& rng, std::int64_t rows, std::int64_t cols, std::int64_t x_stride,
                 std::int64_t residual_stride, std::int64_t y_stride, bool in_place,
                 bool want_rstd, float eps, int threads) {
@@ -106,18 +98,7 @@ TEST_P(FusedAddTest, ZeroRowsIsANoOp) {
                                      matrix(nullptr, dtype(), 0, 9), nullptr));
 }
 
-std::string fused_param_name(const ::testing::TestParamInfo<FusedParam>& info) {
-  return dtype_str(std::get<0>(info.param)) + "_w_" + weight_kind_str(std::get<1>(info.param)) +
-         (std::get<2>(info.param) != 0.0f ? "_gemma" : "");
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    AllVariants, FusedAddTest,
-    ::testing::Combine(::testing::ValuesIn(kAllDTypes),
-                       ::testing::Values(WeightKind::kNone, WeightKind::kSame,
-                                         WeightKind::kFloat32),
-                       ::testing::Values(0.0f, 1.0f)),
-    fused_param_name);
+INSTANTIATE_TEST_SUITE_P(AllVariants, FusedAddTest, all_rms_variants(), rms_variant_name);
 
 }  // namespace
 }  // namespace fusednorm::test

@@ -1,20 +1,12 @@
 // rms_norm against the fp64 reference: random seeded shapes and strides for every dtype x
 // weight variant x weight_offset, with poisoned outputs and guard checks.
-#include <tuple>
-
 #include "test_util.h"
 
 namespace fusednorm::test {
 namespace {
 
-using RmsParam = std::tuple<DType, WeightKind, float /*weight_offset*/>;
-
-class RmsNormTest : public ::testing::TestWithParam<RmsParam> {
+class RmsNormTest : public RmsVariantTest {
  protected:
-  DType dtype() const { return std::get<0>(GetParam()); }
-  WeightKind weight_kind() const { return std::get<1>(GetParam()); }
-  float offset() const { return std::get<2>(GetParam()); }
-
   // One call on a rows x cols problem; in_place writes y over x.
   void run_case(Rng& rng, std::int64_t rows, std::int64_t cols, std::int64_t x_stride,
                 std::int64_t y_stride, bool in_place, bool want_rstd, float eps, int threads) {
@@ -109,18 +101,7 @@ TEST_P(RmsNormTest, ZeroRowsIsANoOp) {
                            matrix(nullptr, dtype(), 0, 19), nullptr, options));
 }
 
-std::string rms_param_name(const ::testing::TestParamInfo<RmsParam>& info) {
-  return dtype_str(std::get<0>(info.param)) + "_w_" + weight_kind_str(std::get<1>(info.param)) +
-         (std::get<2>(info.param) != 0.0f ? "_gemma" : "");
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    AllVariants, RmsNormTest,
-    ::testing::Combine(::testing::ValuesIn(kAllDTypes),
-                       ::testing::Values(WeightKind::kNone, WeightKind::kSame,
-                                         WeightKind::kFloat32),
-                       ::testing::Values(0.0f, 1.0f)),
-    rms_param_name);
+INSTANTIATE_TEST_SUITE_P(AllVariants, RmsNormTest, all_rms_variants(), rms_variant_name);
 
 }  // namespace
 }  // namespace fusednorm::test

@@ -39,6 +39,11 @@ std::string weight_kind_str(WeightKind kind) {
   return "invalid";
 }
 
+std::string rms_variant_name(const ::testing::TestParamInfo<RmsVariant>& info) {
+  return dtype_str(std::get<0>(info.param)) + "_w_" + weight_kind_str(std::get<1>(info.param)) +
+         (std::get<2>(info.param) != 0.0f ? "_gemma" : "");
+}
+
 // ---- Buffer ------------------------------------------------------------------------------
 
 Buffer::Buffer(DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,

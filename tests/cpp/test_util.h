@@ -16,6 +16,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/scalar_convert.h"
@@ -187,6 +188,23 @@ std::string weight_kind_str(WeightKind kind);
 inline DType weight_dtype(WeightKind kind, DType x_dtype) {
   return kind == WeightKind::kFloat32 ? DType::kFloat32 : x_dtype;
 }
+
+// The parameters of every RMSNorm suite (forward, fused add, backward): dtype x weight
+// variant x weight_offset (0: Llama's w, 1: Gemma's 1 + w).
+using RmsVariant = std::tuple<DType, WeightKind, float>;
+class RmsVariantTest : public ::testing::TestWithParam<RmsVariant> {
+ protected:
+  DType dtype() const { return std::get<0>(GetParam()); }
+  WeightKind weight_kind() const { return std::get<1>(GetParam()); }
+  float offset() const { return std::get<2>(GetParam()); }
+};
+// All of them: every dtype; no weight, a weight in x's dtype, an fp32 weight; both offsets.
+inline auto all_rms_variants() {
+  return ::testing::Combine(::testing::ValuesIn(kAllDTypes),
+                            ::testing::Values(WeightKind::kNone, WeightKind::kSame, WeightKind::kFloat32),
+                            ::testing::Values(0.0f, 1.0f));
+}
+std::string rms_variant_name(const ::testing::TestParamInfo<RmsVariant>& info);
 
 // A weight (or bias) of the given kind, N(mean, 0.5); an empty Buffer for kNone.
 Buffer make_weight(WeightKind kind, DType x_dtype, std::int64_t cols, Rng& rng,
