@@ -2,9 +2,10 @@
 
 Usage: python3 peers.py FUSEDNORM_CSV OUT_CSV [--budget SECONDS]
 
-Times torch.nn.functional.rms_norm, torch.compile of the stepwise (HF LlamaRMSNorm-style)
-reference, F.layer_norm, Liger-Kernel's RMSNorm when importable, and the fusednorm Python
-package when importable, with triton.testing.do_bench (median, L2 flushed between runs),
+Times torch eager (F.rms_norm, add + F.rms_norm, F.layer_norm), torch.compile of the stepwise
+(HF LlamaRMSNorm-style) reference, Liger-Kernel's RMSNorm / fused add / LayerNorm when
+importable, and the fusednorm Python package's ops when importable with CUDA, forward and
+(autograd) backward, with triton.testing.do_bench (median, L2 flushed between runs),
 on the shapes and dtypes of gpu_bench, plus the same device-to-device copy. Every time is
 reported with GB/s and as a percentage of the copy bandwidth measured in this run (the
 fusednorm rows against gpu_bench's own copy, measured in the same job).
@@ -39,16 +40,31 @@ def stepwise_fused_add(x, r, w):
 
 
 def load_optional():
+    """Peers that may be missing there: {impl: {op: fn}}. rms_norm takes (x, w),
+    fused_add_rms_norm (x, residual, w), layer_norm (x, w, b); each is also timed backward
+    where it has one (autograd)."""
     extra = {}
     try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-        extra["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama")
+
+        extra["liger"] = {
+            "rms_norm": lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama"),
+            "fused_add_rms_norm": lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS),
+            "layer_norm": lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5),
+        }
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
         print(f"peers: liger_kernel not available ({type(e).__name__})", file=sys.stderr)
     try:
         import fusednorm  # the project's Python package, if built there
-        if hasattr(fusednorm, "rms_norm"):
-            extra["fusednorm_py"] = lambda x, w: fusednorm.rms_norm(x, w, eps=EPS)
+
+        if fusednorm.has_cuda():
+            extra["fusednorm_py"] = {
+                "rms_norm": lambda x, w: fusednorm.rms_norm(x, w, eps=EPS),
+                "fused_add_rms_norm": lambda x, r, w: fusednorm.fused_add_rms_norm(x, r, w, eps=EPS),
+                "layer_norm": lambda x, w, b: fusednorm.layer_norm(x, w, b, eps=1e-5),
+            }
     except Exception as e:  # noqa: BLE001
         print(f"peers: fusednorm Python package not available ({type(e).__name__})", file=sys.stderr)
     return extra
@@ -105,20 +121,24 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     print(f"peers: {impl} {op} {dname} {rows}x{cols} failed: {type(e).__name__}: {e}"[:300], file=sys.stderr)
 
+            rms_bytes, add_bytes, ln_bytes = 2 * io + cols * es, 4 * io + cols * es, 2 * io + 2 * cols * es
             with torch.no_grad():
-                fwd("torch_rms_norm", lambda: F.rms_norm(x, (cols,), w, EPS))
+                fwd("torch", lambda: F.rms_norm(x, (cols,), w, EPS))
                 fwd("torch_compile", lambda: compiled_rms(x, w))
-                fwd("layer_norm", lambda: F.layer_norm(x, (cols,), w, bias, 1e-5), "layer_norm", 2 * io + 2 * cols * es)
-                fwd("torch_eager", lambda: F.rms_norm(r.add_(x), (cols,), w, EPS), "fused_add_rms_norm", 4 * io + cols * es)
-                fwd("torch_compile", lambda: compiled_add(x, r, w), "fused_add_rms_norm", 4 * io + cols * es)
-                for name, fn in extra.items():
-                    fwd(name, lambda fn=fn: fn(x, w))
-            bwd("torch_rms_norm", lambda xg, wg: F.rms_norm(xg, (cols,), wg, EPS))
+                fwd("torch", lambda: F.rms_norm(r.add_(x), (cols,), w, EPS), "fused_add_rms_norm", add_bytes)
+                fwd("torch_compile", lambda: compiled_add(x, r, w), "fused_add_rms_norm", add_bytes)
+                fwd("torch", lambda: F.layer_norm(x, (cols,), w, bias, 1e-5), "layer_norm", ln_bytes)
+                for name, fns in extra.items():
+                    fwd(name, lambda f=fns["rms_norm"]: f(x, w), "rms_norm", rms_bytes)
+                    fwd(name, lambda f=fns["fused_add_rms_norm"]: f(x, r, w), "fused_add_rms_norm", add_bytes)
+                    fwd(name, lambda f=fns["layer_norm"]: f(x, w, bias), "layer_norm", ln_bytes)
+            bwd("torch", lambda xg, wg: F.rms_norm(xg, (cols,), wg, EPS))
             bwd("torch_compile", lambda xg, wg: compiled_rms(xg, wg))
-            bwd("layer_norm", lambda xg, wg, bg: F.layer_norm(xg, (cols,), wg, bg, 1e-5), "layer_norm_backward",
+            bwd("torch", lambda xg, wg, bg: F.layer_norm(xg, (cols,), wg, bg, 1e-5), "layer_norm_backward",
                 3 * io + 3 * cols * es, (bias,))
-            for name, fn in extra.items():
-                bwd(name, fn)
+            for name, fns in extra.items():
+                bwd(name, fns["rms_norm"])
+                bwd(name, fns["layer_norm"], "layer_norm_backward", 3 * io + 3 * cols * es, (bias,))
             del x, r, dy, w, bias
             torch.cuda.empty_cache()
         else:

@@ -24,6 +24,12 @@ export PYTHONUNBUFFERED=1
 t0=$SECONDS
 stamp() { echo "== [$((SECONDS - t0)) s] $*"; }
 
+# Carried wheels (bench/gpu/pack_deps.sh: Liger-Kernel) into a private site directory.
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 
 # Highway / GoogleTest: carried prefix from bench/gpu/pack_deps.sh when the image lacks them.
