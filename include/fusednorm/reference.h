@@ -22,6 +22,10 @@ struct BackwardResult {
   std::vector<double> dx;
   std::vector<double> dw;  // empty without weight
   std::vector<double> db;  // LayerNorm with bias gradient only
+  // Per row: rstd * max_j |g_j| (g = dy * weight), the size of the terms whose difference dx
+  // is. dx cancels (D = 1 makes it eps-small), so an fp32 dx's error is judged against
+  // this scale, not against |dx| itself.
+  std::vector<double> dx_scale;
 };
 
 ForwardResult rms_norm(ConstMatrix x, ConstVector weight, const RmsNormOptions& options = {});

@@ -31,23 +31,24 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, 
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
+  // Every launch goes through cudaLaunchKernelEx (the cluster size is a launch attribute),
+  // never <<<>>>: this header is then plain C++ over the runtime API, which
+  // tests/cuda_emu's CPU emulation of the runtime also provides.
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<std::size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
   if (cluster_size > 1) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = block;
-    config.dynamicSmemBytes = static_cast<std::size_t>(smem);
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeClusterDimension;
     attribute[0].val.clusterDim.x = static_cast<unsigned>(cluster_size);
     attribute[0].val.clusterDim.y = 1;
     attribute[0].val.clusterDim.z = 1;
     config.attrs = attribute;
     config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   }
-  kernel<<<grid, block, static_cast<std::size_t>(smem), stream>>>(std::forward<Args>(args)...);
-  return cudaGetLastError();
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // Calls fn with std::integral_constant<int, v> for the run-time value among the choices.

@@ -1,5 +1,6 @@
 #include "fusednorm/reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 
@@ -72,13 +73,16 @@ BackwardResult backward(ConstMatrix dy, ConstMatrix x, ConstVector weight, doubl
   out.dx.resize(static_cast<std::size_t>(rows * cols));
   if (weight.data != nullptr) out.dw.assign(static_cast<std::size_t>(cols), 0.0);
   if (want_db) out.db.assign(static_cast<std::size_t>(cols), 0.0);
+  out.dx_scale.resize(static_cast<std::size_t>(rows));
   for (std::int64_t r = 0; r < rows; ++r) {
-    double sum_g = 0.0, sum_g_xhat = 0.0;
+    double sum_g = 0.0, sum_g_xhat = 0.0, max_g = 0.0;
     for (std::int64_t j = 0; j < cols; ++j) {
       const double g = element(dy, r, j) * weight_at(weight, j, weight_offset);
       sum_g += g;
       sum_g_xhat += g * fwd.y[index(r, cols, j)];
+      max_g = std::max(max_g, std::fabs(g));
     }
+    out.dx_scale[static_cast<std::size_t>(r)] = fwd.rstd[r] * max_g;
     const double mean_g = centered ? sum_g / static_cast<double>(cols) : 0.0;
     const double mean_g_xhat = sum_g_xhat / static_cast<double>(cols);
     for (std::int64_t j = 0; j < cols; ++j) {

@@ -90,23 +90,9 @@ void run_backward(Rng& rng, bool centered, DType dtype, WeightKind weight_kind,
     ref = reference::rms_norm_backward(dy.cmatrix(), x.cmatrix(), view_of(w), options);
     xhat = reference::rms_norm(x.cmatrix(), {}, options).y;
   }
-  // dx = rstd * (g - mean_g - xhat * mean_g_xhat) with g = dy * w: its error scales with
-  // rstd * max|g| even where the terms cancel.
+  // dx's error scales with rstd * max|g| even where its terms cancel (ref.dx_scale).
   std::vector<double> dx_scale = row_max_abs(ref.dx, rows, cols);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    double max_g = 0.0, max_xhat = 0.0, max_dev = 0.0, row_mean = 0.0;
-    for (std::int64_t j = 0; j < cols; ++j) row_mean += x.at(r, j);
-    row_mean = centered ? row_mean / static_cast<double>(cols) : 0.0;
-    for (std::int64_t j = 0; j < cols; ++j) {
-      const double weight = w.empty() ? 1.0 : w.at(j) + (centered ? 0.0 : c.weight_offset);
-      max_g = std::max(max_g, std::fabs(dy.at(r, j) * weight));
-      max_xhat = std::max(max_xhat, std::fabs(xhat[r * cols + j]));
-      max_dev = std::max(max_dev, std::fabs(x.at(r, j) - row_mean));
-    }
-    // rstd = |xhat| / |x - mean| (taken where both are largest).
-    const double row_rstd = max_dev > 0.0 ? max_xhat / max_dev : 0.0;
-    dx_scale[r] = std::max(dx_scale[r], row_rstd * max_g);
-  }
+  for (std::int64_t r = 0; r < rows; ++r) dx_scale[r] = std::max(dx_scale[r], ref.dx_scale[r]);
   std::vector<double> dw_abs_sum(static_cast<std::size_t>(cols), 0.0), db_abs_sum(dw_abs_sum);
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t j = 0; j < cols; ++j) {

@@ -82,11 +82,11 @@ double tolerance(DType dtype) {
   return 0;
 }
 
-// |got - ref| <= rtol * (|ref| + rms(ref)): relative, with an absolute floor at the
-// tensor's own scale (cancellation in dx and LayerNorm leaves small elements with an
-// error relative to the row, not to themselves).
+// |got - ref| <= rtol * (|ref| + floor): relative, with an absolute floor at the tensor's
+// own scale (rms of ref; cancellation in LayerNorm leaves small elements with an error
+// relative to the row, not to themselves), or per element where `floor` is given.
 void expect_close(const std::vector<double>& ref, const std::function<float(std::int64_t)>& got, double rtol,
-                  const std::string& what) {
+                  const std::string& what, const std::vector<double>* floor = nullptr) {
   double ms = 0;
   for (double r : ref) ms += r * r;
   const double scale = ref.empty() ? 0 : std::sqrt(ms / static_cast<double>(ref.size()));
@@ -94,7 +94,7 @@ void expect_close(const std::vector<double>& ref, const std::function<float(std:
   for (std::size_t i = 0; i < ref.size(); ++i) {
     const double g = got(static_cast<std::int64_t>(i));
     const double err = std::abs(g - ref[i]);
-    if (!(err <= rtol * (std::abs(ref[i]) + scale))) {
+    if (!(err <= rtol * (std::abs(ref[i]) + (floor != nullptr ? (*floor)[i] : scale)))) {
       if (bad++ < 5) ADD_FAILURE() << what << "[" << i << "]: got " << g << ", reference " << ref[i];
     }
   }
@@ -334,7 +334,13 @@ void check_backward(const Case& c, bool layer, bool want_dx, bool want_dw, bool 
                          : reference::rms_norm_backward(dyh, xh, wh, {1e-6f, c.offset});
   Buffer& dx_out = dx_over_dy ? dy : dx;
   const double tol = tolerance(c.dtype) * 2;
-  if (want_dx) expect_close(ref.dx, [&](std::int64_t i) { return dx_out.get(i / c.cols * stride + i % c.cols); }, tol, "dx");
+  if (want_dx) {
+    // dx is a difference of terms of size ref.dx_scale (per row), which bounds its error.
+    std::vector<double> scale(ref.dx.size());
+    for (std::size_t i = 0; i < scale.size(); ++i) scale[i] = ref.dx_scale[i / static_cast<std::size_t>(c.cols)];
+    expect_close(ref.dx, [&](std::int64_t i) { return dx_out.get(i / c.cols * stride + i % c.cols); }, tol, "dx",
+                 &scale);
+  }
   // dw / db in the parameter dtype: one rounding of an fp32 sum over all rows.
   const double ptol = std::max(tolerance(pdt), 1e-4);
   if (want_dw) {
