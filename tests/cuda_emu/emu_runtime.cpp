@@ -270,6 +270,10 @@ void run_cta(CtaRun& c) {
   blockDim = c.block;
   gridDim = c.grid;
   char* stacks = stack_pool.take();
+#ifdef FUSEDNORM_EMU_ASAN
+  // A finished fiber leaves its frames' redzones poisoned on the stack it is handed back with.
+  ASAN_UNPOISON_MEMORY_REGION(stacks, c.threads * kFiberStackBytes);
+#endif
   c.fibers.resize(c.threads);
   c.warps.resize((c.threads + 31) / 32);
   for (unsigned t = 0; t < c.threads; ++t) {
