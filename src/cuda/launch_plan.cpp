@@ -55,13 +55,13 @@ int finish_lanes_for(std::int64_t slots) {
 // (kClusterRow, sm_90); bytes_for(slice_vecs) is a CTA's dynamic shared memory. Fills the
 // plan's kind, cluster_size, slice_vecs, smem_bytes, team and grid (whole clusters, at most
 // max_clusters, at most the CTAs that fit on the device at once); false when even a cluster
-// of 8 cannot hold the row.
+// of 8 cannot hold the row. Clusters start at min_cluster CTAs.
 template <typename BytesFor>
 bool plan_staged(std::int64_t nvec, std::int64_t max_clusters, const DeviceInfo& d, BytesFor bytes_for,
-                 LaunchPlan& plan) {
+                 LaunchPlan& plan, int min_cluster = 1) {
   const std::int64_t budget = d.max_smem_per_block - kStaticSmemReserve;
   const int max_cluster = d.cluster_launch && d.cc_major >= 9 ? kMaxClusterSize : 1;
-  for (int cs = 1; cs <= max_cluster; cs *= 2) {
+  for (int cs = min_cluster; cs <= max_cluster; cs *= 2) {
     const std::int64_t slice = ceil_div(nvec, cs);
     const std::int64_t bytes = bytes_for(slice);
     if (bytes > budget) continue;
@@ -199,6 +199,19 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanO
     return staged_backward_smem(slice, plan.vec, s.elem_bytes).total(s.accumulators);
   };
   if (options.staged_rows && plan_staged(nvec, slot_limit, d, stage_bytes, plan)) {
+    plan.partial_slots = plan.grid / plan.cluster_size;
+    plan.finish_lanes = finish_lanes_for(plan.partial_slots);
+    return plan;
+  }
+  // Longer still (sm_90): only the column sums in shared memory, dy and x read again from
+  // device memory in each pass. A cluster of 8 shares each row, so the rows in flight are
+  // few (sm_count / 8) and a re-read should find the row in L2 (prediction; gpu_bench's
+  // fusednorm_two_pass rows measure it against the two-kernel path below).
+  const auto sums_bytes = [&](std::int64_t slice) {
+    return std::max<std::int64_t>(16, s.accumulators * staged_backward_smem(slice, plan.vec, s.elem_bytes).acc_bytes);
+  };
+  if (options.staged_rows && plan_staged(nvec, slot_limit, d, sums_bytes, plan, kMaxClusterSize)) {
+    plan.staged_inputs = false;
     plan.partial_slots = plan.grid / plan.cluster_size;
     plan.finish_lanes = finish_lanes_for(plan.partial_slots);
     return plan;

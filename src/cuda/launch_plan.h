@@ -63,6 +63,9 @@ struct LaunchPlan {
   int threads_per_cta = 0;    // team_threads * rows_per_cta (two-pass backward: tile kernel)
   int cluster_size = 1;
   std::int64_t slice_vecs = 0;  // kSmemRow / kClusterRow: vectors of a row one CTA stages
+  // Backward kClusterRow: dy and x staged in shared memory beside the column sums; false:
+  // only the sums are, and dy and x are read from device memory (L2) in each pass.
+  bool staged_inputs = true;
   std::int64_t smem_bytes = 0;  // dynamic shared memory per CTA
   std::int64_t grid = 0;        // CTAs (a multiple of cluster_size); kernels loop over rows
 

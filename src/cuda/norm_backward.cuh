@@ -243,7 +243,11 @@ __global__ void __launch_bounds__(512, 1)
 // mean(g * x_hat) = rstd * sum(g * x) / D. LayerNorm with the forward's mean / rstd sums
 // g * (x - mean) and g while staging; without them it sums x while staging, then
 // (x - mean)^2, g * (x - mean) and g in one pass over shared memory.
-template <typename T, int kVec, typename V, RowStorage kStorage>
+//
+// kStageInputs = false (rows too long for that): only the column sums are in shared memory,
+// and the passes after the first read dy and x from device memory again; with a cluster of
+// 8 per row, few rows are in flight and the re-reads should hit L2.
+template <typename T, int kVec, typename V, RowStorage kStorage, bool kStageInputs>
 __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
     norm_backward_row_kernel(const BackwardArgs a, const std::int64_t slice_vecs) {
   extern __shared__ uint4 smem_words[];
@@ -256,12 +260,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
   constexpr int kBatch = 4;  // vectors per thread loaded before the first is used
 
   const StagedBackwardSmem layout = staged_backward_smem(slice_vecs, kVec, sizeof(T));
+  const std::int64_t stage_bytes = kStageInputs ? layout.stage_bytes : 0;
   char* const smem = reinterpret_cast<char*>(smem_words);
   Vec* const dy_stage = reinterpret_cast<Vec*>(smem);
-  Vec* const x_stage = reinterpret_cast<Vec*>(smem + layout.stage_bytes);
+  Vec* const x_stage = reinterpret_cast<Vec*>(smem + stage_bytes);
   // Piece h of vector j sits at [h * slice_vecs + j]: a warp's accesses are consecutive.
-  Piece* const dw_acc = reinterpret_cast<Piece*>(smem + 2 * layout.stage_bytes);
-  Piece* const db_acc = reinterpret_cast<Piece*>(smem + 2 * layout.stage_bytes + (V::kDw ? layout.acc_bytes : 0));
+  Piece* const dw_acc = reinterpret_cast<Piece*>(smem + 2 * stage_bytes);
+  Piece* const db_acc = reinterpret_cast<Piece*>(smem + 2 * stage_bytes + (V::kDw ? layout.acc_bytes : 0));
 
   auto read_sums = [&](const Piece* acc, std::int64_t jj, float (&v)[kVec]) {
 #pragma unroll
@@ -299,6 +304,25 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
   for (std::int64_t row = slice.first_row(); row < a.rows; row += slice.row_step()) {
     const T* dy = row_ptr<T>(a.dy, row, a.dy_stride);
     const T* x = row_ptr<T>(a.x, row, a.x_stride);
+    // Vector j of dy / x after the first pass: from shared memory, or read again.
+    auto dy_at = [&](std::int64_t j) {
+      Vec v;
+      if constexpr (kStageInputs) {
+        v = dy_stage[j - begin];
+      } else {
+        v.load(dy + j * kVec);
+      }
+      return v;
+    };
+    auto x_at = [&](std::int64_t j) {
+      Vec v;
+      if constexpr (kStageInputs) {
+        v = x_stage[j - begin];
+      } else {
+        v.load(x + j * kVec);
+      }
+      return v;
+    };
     float mean = 0.0f, rstd = 0.0f;
     if (given_stats) {
       rstd = a.rstd[row];
@@ -322,8 +346,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       for (int u = 0; u < kBatch; ++u) {
         const std::int64_t j = j0 + std::int64_t{u} * team;
         if (j >= end) continue;
-        dy_stage[j - begin] = dyv[u];
-        x_stage[j - begin] = xv[u];
+        if constexpr (kStageInputs) {
+          dy_stage[j - begin] = dyv[u];
+          x_stage[j - begin] = xv[u];
+        }
         if (V::kCentered && !given_stats) {
 #pragma unroll
           for (int i = 0; i < kVec; ++i) sums[0] += xv[u].get(i);
@@ -357,11 +383,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       mean = total[0] / cols;
       float more[3] = {0.0f, 0.0f, 0.0f};  // sum (x - mean)^2, sum g * (x - mean), sum g
       for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
-        const Vec xv = x_stage[j - begin];
+        const Vec xv = x_at(j);
         float w[kVec];
         load_grad_weight<T, kVec, V>(a, j, nvec, w);
         float dots[kGradDots<V>] = {};
-        add_grad_dots<V>(dy_stage[j - begin], xv, w, mean, 1.0f, dots);
+        add_grad_dots<V>(dy_at(j), xv, w, mean, 1.0f, dots);
         more[1] += dots[0];
         more[2] += dots[kGradDots<V> - 1];
 #pragma unroll
@@ -382,7 +408,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       load_grad_weight<T, kVec, V>(a, j, nvec, w);
       if constexpr (V::kDw) read_sums(dw_acc, j - begin, dw);
       if constexpr (V::kDb) read_sums(db_acc, j - begin, db);
-      const Vec out = grad_input<V>(dy_stage[j - begin], x_stage[j - begin], w, r, dw, db);
+      const Vec out = grad_input<V>(dy_at(j), x_at(j), w, r, dw, db);
       if constexpr (V::kDw) write_sums(dw_acc, j - begin, dw);
       if constexpr (V::kDb) write_sums(db_acc, j - begin, db);
       if (dx != nullptr) out.store(dx + j * kVec);

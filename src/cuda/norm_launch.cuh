@@ -87,13 +87,14 @@ cudaError_t launch_backward_variant(const LaunchPlan& plan, const BackwardArgs& 
       }
     }
     if (plan.kind == KernelKind::kSmemRow) {
-      return launch_kernel(norm_backward_row_kernel<T, kVec, V, RowStorage::kSmem>,
+      return launch_kernel(norm_backward_row_kernel<T, kVec, V, RowStorage::kSmem, true>,
                            dim3(static_cast<unsigned>(plan.grid)), dim3(plan.team_threads), plan.smem_bytes, 1,
                            stream, a, plan.slice_vecs);
     }
     if (plan.kind == KernelKind::kClusterRow) {
-      return launch_kernel(norm_backward_row_kernel<T, kVec, V, RowStorage::kCluster>,
-                           dim3(static_cast<unsigned>(plan.grid)), dim3(plan.team_threads), plan.smem_bytes,
+      const auto kernel = plan.staged_inputs ? norm_backward_row_kernel<T, kVec, V, RowStorage::kCluster, true>
+                                             : norm_backward_row_kernel<T, kVec, V, RowStorage::kCluster, false>;
+      return launch_kernel(kernel, dim3(static_cast<unsigned>(plan.grid)), dim3(plan.team_threads), plan.smem_bytes,
                            plan.cluster_size, stream, a, plan.slice_vecs);
     }
     const std::int64_t groups = ceil_div64(a.rows, plan.rows_per_cta);

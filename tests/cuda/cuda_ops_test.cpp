@@ -385,6 +385,21 @@ TEST(CudaBackward, StagedRowsSumOverManyRowsPerCluster) {
   }
 }
 
+// Rows whose dy and x do not fit a cluster of 8 (bf16 D = 262144 with dw: 2 MB): the column
+// sums alone are in shared memory and every pass reads dy and x again; more rows than
+// clusters, so each CTA's sums run over several rows. fp32 LayerNorm with dw and db at that
+// D takes the two-kernel path.
+TEST(CudaBackward, UnstagedClusterRowsMatchReference) {
+  REQUIRE_GPU();
+  for (const Case& c : {Case{DType::kBFloat16, 40, 262144}, Case{DType::kFloat32, 20, 262144, 4, 0, true, true, 1.0f}}) {
+    SCOPED_TRACE(c.name());
+    check_backward(c, false, true, true, false, false, false);
+    check_backward(c, false, true, true, false, true, true);  // given rstd, dx over dy
+    check_backward(c, true, true, true, true, false, false);
+    check_backward(c, true, true, true, true, true, false);
+  }
+}
+
 // FUSEDNORM_CUDA_STAGED_ROWS=0 sends rows beyond register capacity to the two-pass kernels
 // (gpu_bench's A/B rows; on an H200 the forward reaches them otherwise only past D = 8 x
 // 227 KB): the same checks on them.

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -155,12 +156,21 @@ TEST(LaunchPlan, BackwardBeyondRegistersStagesDyAndXInSharedMemory) {
   EXPECT_EQ(few.grid, 3 * few.cluster_size);
   EXPECT_EQ(few.partial_slots, 3);
 
-  // With dw, bf16 D = 262144 needs 2 MB: more than a portable cluster of 8 holds.
+  // With dw, bf16 D = 262144 needs 2 MB, more than a portable cluster of 8 holds: only the
+  // dw sums (128 KB per CTA) are in shared memory, dy and x are read again.
   const LaunchPlan huge = plan_backward(shape(256, 262144, 2, true, 1), kH200);
-  EXPECT_EQ(huge.kind, KernelKind::kTwoPass);
-  EXPECT_GE(huge.col_tiles * kTileThreads * huge.vec, 262144);
-  EXPECT_GE(huge.row_blocks * huge.rows_per_block, 256);
-  EXPECT_EQ(huge.partial_slots, huge.row_blocks);
+  EXPECT_EQ(huge.kind, KernelKind::kClusterRow);
+  EXPECT_FALSE(huge.staged_inputs);
+  EXPECT_EQ(huge.cluster_size, 8);
+  EXPECT_EQ(huge.smem_bytes, 262144 / 8 * 4);
+  EXPECT_EQ(huge.partial_slots, huge.grid / 8);
+  EXPECT_TRUE(bf16.staged_inputs);
+  // LayerNorm fp32 with dw and db: 2 x 128 KB of sums per CTA do not fit either: two kernels.
+  const LaunchPlan two = plan_backward(shape(256, 262144, 4, true, 2), kH200);
+  EXPECT_EQ(two.kind, KernelKind::kTwoPass);
+  EXPECT_GE(two.col_tiles * kTileThreads * two.vec, 262144);
+  EXPECT_GE(two.row_blocks * two.rows_per_block, 256);
+  EXPECT_EQ(two.partial_slots, two.row_blocks);
   // The A/B switch: the same shapes on the two-pass kernels.
   EXPECT_EQ(plan_backward(shape(1024, 65536, 2, true, 1), kH200, PlanOptions{false}).kind, KernelKind::kTwoPass);
   EXPECT_EQ(plan_forward(shape(1024, 65536, 2), kH200, PlanOptions{false}).kind, KernelKind::kTwoPass);
@@ -237,7 +247,14 @@ TEST(LaunchPlan, InvariantsOverSweep) {
                 case KernelKind::kSmemRow:
                 case KernelKind::kClusterRow:
                   EXPECT_GE(b.slice_vecs * b.cluster_size, nvec);
-                  EXPECT_EQ(b.smem_bytes, staged_backward_smem(b.slice_vecs, b.vec, esize).total(acc));
+                  if (b.staged_inputs) {
+                    EXPECT_EQ(b.smem_bytes, staged_backward_smem(b.slice_vecs, b.vec, esize).total(acc));
+                  } else {
+                    EXPECT_EQ(b.kind, KernelKind::kClusterRow);
+                    EXPECT_EQ(b.cluster_size, kMaxClusterSize);
+                    EXPECT_EQ(b.smem_bytes,
+                              std::max<std::int64_t>(16, acc * staged_backward_smem(b.slice_vecs, b.vec, esize).acc_bytes));
+                  }
                   EXPECT_EQ(b.partial_slots, b.grid / b.cluster_size);
                   EXPECT_EQ(b.threads_per_cta, kMaxThreadsPerCta);
                   if (b.kind == KernelKind::kClusterRow) {
