@@ -304,22 +304,13 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
   for (std::int64_t row = slice.first_row(); row < a.rows; row += slice.row_step()) {
     const T* dy = row_ptr<T>(a.dy, row, a.dy_stride);
     const T* x = row_ptr<T>(a.x, row, a.x_stride);
-    // Vector j of dy / x after the first pass: from shared memory, or read again.
-    auto dy_at = [&](std::int64_t j) {
+    // Vector j of dy or x after the first pass: from shared memory, or read again.
+    auto vec_at = [&](const Vec* staged, const T* src, std::int64_t j) {
       Vec v;
       if constexpr (kStageInputs) {
-        v = dy_stage[j - begin];
+        v = staged[j - begin];
       } else {
-        v.load(dy + j * kVec);
-      }
-      return v;
-    };
-    auto x_at = [&](std::int64_t j) {
-      Vec v;
-      if constexpr (kStageInputs) {
-        v = x_stage[j - begin];
-      } else {
-        v.load(x + j * kVec);
+        v.load(src + j * kVec);
       }
       return v;
     };
@@ -383,11 +374,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       mean = total[0] / cols;
       float more[3] = {0.0f, 0.0f, 0.0f};  // sum (x - mean)^2, sum g * (x - mean), sum g
       for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
-        const Vec xv = x_at(j);
+        const Vec xv = vec_at(x_stage, x, j);
         float w[kVec];
         load_grad_weight<T, kVec, V>(a, j, nvec, w);
         float dots[kGradDots<V>] = {};
-        add_grad_dots<V>(dy_at(j), xv, w, mean, 1.0f, dots);
+        add_grad_dots<V>(vec_at(dy_stage, dy, j), xv, w, mean, 1.0f, dots);
         more[1] += dots[0];
         more[2] += dots[kGradDots<V> - 1];
 #pragma unroll
@@ -408,7 +399,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       load_grad_weight<T, kVec, V>(a, j, nvec, w);
       if constexpr (V::kDw) read_sums(dw_acc, j - begin, dw);
       if constexpr (V::kDb) read_sums(db_acc, j - begin, db);
-      const Vec out = grad_input<V>(dy_at(j), x_at(j), w, r, dw, db);
+      const Vec out = grad_input<V>(vec_at(dy_stage, dy, j), vec_at(x_stage, x, j), w, r, dw, db);
       if constexpr (V::kDw) write_sums(dw_acc, j - begin, dw);
       if constexpr (V::kDb) write_sums(db_acc, j - begin, db);
       if (dx != nullptr) out.store(dx + j * kVec);
