@@ -59,6 +59,18 @@ constexpr std::size_t kFiberStackBytes = 256 * 1024;
 constexpr unsigned char kSmemGarbage = 0xff;  // uninitialized shared memory reads as NaN
 constexpr unsigned char kSmemCanary = 0xa5;    // past the launch's dynamic shared memory
 
+// The order in which the scheduler resumes a CTA's threads in each pass:
+// FUSEDNORM_EMU_SCHEDULE=reverse runs them from the last to the first. A missing barrier
+// between one thread's write and another's read goes unseen when the writer happens to run
+// first; one of the two orders runs the reader first.
+bool reverse_schedule() {
+  static const bool reverse = [] {
+    const char* env = std::getenv("FUSEDNORM_EMU_SCHEDULE");
+    return env != nullptr && std::string(env) == "reverse";
+  }();
+  return reverse;
+}
+
 int sm_count() {
   const char* env = std::getenv("FUSEDNORM_EMU_SMS");
   const int n = env != nullptr ? std::atoi(env) : 0;
@@ -285,7 +297,8 @@ void run_cta(CtaRun& c) {
   for (;;) {
     bool alive = false;
     const std::uint64_t before = c.progress;
-    for (Fiber& f : c.fibers) {
+    for (unsigned i = 0; i < c.threads; ++i) {
+      Fiber& f = c.fibers[reverse_schedule() ? c.threads - 1 - i : i];
       if (f.done) continue;
       alive = true;
       c.current = &f;

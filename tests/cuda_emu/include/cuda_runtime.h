@@ -12,9 +12,10 @@
 // shared memory with and without the opt-in, cluster size and grid divisibility), writes
 // past the launch's dynamic shared memory, and, in sanitizer builds, out-of-bounds device
 // memory accesses (ASan sees cudaMalloc'd buffers as heap blocks).
-// What it cannot check: timing, memory-model subtleties of real hardware (fibers run one at
-// a time, so a missing barrier between a write and another thread's read can go unseen when
-// the writer happens to run first), nvcc's code generation. It is not a substitute for the
+// What it cannot check: timing, memory-model subtleties of real hardware, nvcc's code
+// generation. Fibers run one at a time, so a missing barrier between one thread's write and
+// another's read goes unseen when the writer happens to run first: ctest runs the suite in
+// both schedule orders (FUSEDNORM_EMU_SCHEDULE=reverse) to see both cases. It is not a substitute for the
 // GPU run (bench/gpu/run.sh); it makes that run start from kernels whose logic has run.
 #pragma once
 
