@@ -120,6 +120,18 @@ float chunked_sum(std::int64_t cols, ChunkFn chunk_fn) {
   return total;
 }
 
+// Rows per forward batch: about kBatchBytes of input, so that a batch's rows are still in
+// the caches when they are normalized. Measured at 16384 x 4096, one thread, against
+// one-row batches: fp16 and bf16 -12 %, fp32 (two-row batches) unchanged; 128 KiB batches
+// were no better.
+constexpr std::int64_t kMaxBatchRows = 64;
+constexpr std::size_t kBatchBytes = 32 * 1024;
+std::int64_t rows_per_batch(std::int64_t cols, std::size_t esize) {
+  const auto row_bytes = static_cast<std::int64_t>(static_cast<std::size_t>(cols) * esize);
+  return std::clamp<std::int64_t>(static_cast<std::int64_t>(kBatchBytes) / row_bytes, 1,
+                                  kMaxBatchRows);
+}
+
 struct RowStats {
   float mean;  // 0 for RMSNorm
   float rstd;
@@ -196,16 +208,24 @@ struct ForwardCall {
   }
 };
 
-// mean and rstd of a row from its chunk statistics (first, and for LayerNorm centered).
-void forward_row(const ForwardCall& call, std::int64_t r) {
-  const RowStats stats = compute_row_stats(
-      call.p.cols(), call.centered, call.p.eps,
-      [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); },
-      [&](std::int64_t b, std::int64_t n, float mean) {
-        return call.centered_stat(r, b, n, mean);
-      });
-  call.normalize(r, 0, call.p.cols(), stats.mean, stats.rstd);
-  call.store_stats(r, stats.mean, stats.rstd);
+// Rows [begin, end) (at most kMaxBatchRows): the statistics of every row first (reads from
+// memory), then the normalized rows (writes). Alternating the two per row cost more: the
+// switch between a read phase and a streamed write phase is not free.
+void forward_rows(const ForwardCall& call, std::int64_t begin, std::int64_t end) {
+  RowStats stats[kMaxBatchRows];
+  for (std::int64_t r = begin; r < end; ++r) {
+    stats[r - begin] = compute_row_stats(
+        call.p.cols(), call.centered, call.p.eps,
+        [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); },
+        [&](std::int64_t b, std::int64_t n, float mean) {
+          return call.centered_stat(r, b, n, mean);
+        });
+  }
+  for (std::int64_t r = begin; r < end; ++r) {
+    const RowStats& s = stats[r - begin];
+    call.normalize(r, 0, call.p.cols(), s.mean, s.rstd);
+    call.store_stats(r, s.mean, s.rstd);
+  }
 }
 
 // Few long rows: every phase runs over (row, chunk) tasks, and per-row sums are added
@@ -259,6 +279,11 @@ std::size_t forward_bytes(const ForwardProblem& p) {
 
 // ---- Backward --------------------------------------------------------------------------
 
+// Per-row coefficients of dx.
+struct RowCoefficients {
+  float mean, rstd, mean_g, mean_g_xhat;
+};
+
 struct BackwardCall {
   const BackwardProblem& p;
   const DTypeKernels& k;
@@ -267,7 +292,9 @@ struct BackwardCall {
   bool centered;
   bool want_dw;
   bool want_db;
+  bool stream;
   BackwardApplyFn apply;
+  BackwardApplyPairFn apply_pair;
   // Where dx goes when the caller wants none: one row of scratch per thread.
   std::vector<char> discarded_dx;
 
@@ -279,8 +306,9 @@ struct BackwardCall {
         centered(problem.kind == NormKind::kLayer),
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),
-        apply(k.backward_apply[stream_output(problem.rows(), problem.cols(), problem.x.dtype)]
-                              [centered][weight.present()][want_dw][want_db]) {
+        stream(stream_output(problem.rows(), problem.cols(), problem.x.dtype)),
+        apply(k.backward_apply[stream][centered][weight.present()][want_dw][want_db]),
+        apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]) {
     if (p.dx.data == nullptr) {
       discarded_dx.resize(static_cast<std::size_t>(threads) * p.cols() * esize);
     }
@@ -323,6 +351,46 @@ struct BackwardCall {
         weight.present() ? weight.data() + begin : nullptr, n, mean, rstd, g_xhat, g);
   }
 
+  // Rows r and r + 1 can go through the pair kernels: their dx rows must share their
+  // address modulo 64 when streamed (the discarded-dx scratch row is one row for both).
+  bool pairable() const {
+    return !stream || p.dx.data == nullptr ||
+           (p.dx.row_stride * static_cast<std::int64_t>(esize)) % 64 == 0;
+  }
+
+  // Row r's coefficients: its statistics, then its dots, chunk sums added in chunk order.
+  RowCoefficients coefficients(std::int64_t r) const {
+    const std::int64_t cols = p.cols();
+    RowCoefficients c;
+    row_stats(r, &c.mean, &c.rstd);
+    float sum_g_xhat = 0.0f, sum_g = 0.0f;
+    for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
+      float g_xhat, g;
+      dots(r, begin, std::min(kReduceChunk, cols - begin), c.mean, c.rstd, &g_xhat, &g);
+      sum_g_xhat += g_xhat;
+      sum_g += g;
+    }
+    c.mean_g = sum_g / static_cast<float>(cols);
+    c.mean_g_xhat = sum_g_xhat / static_cast<float>(cols);
+    return c;
+  }
+
+  // dx of rows r and r + 1 and their dw / db terms (row r's first), in one pass.
+  void apply_pair_rows(std::int64_t r, const RowCoefficients (&c)[2], float* dw_acc,
+                       float* db_acc) {
+    BackwardRows<2> rows;
+    for (int j = 0; j < 2; ++j) {
+      rows.dy[j] = dy_row(r + j);
+      rows.x[j] = x_row(r + j);
+      rows.dx[j] = dx_row(r + j);
+      rows.mean[j] = c[j].mean;
+      rows.rstd[j] = c[j].rstd;
+      rows.mean_g[j] = c[j].mean_g;
+      rows.mean_g_xhat[j] = c[j].mean_g_xhat;
+    }
+    apply_pair(rows, weight.present() ? weight.data() : nullptr, dw_acc, db_acc, p.cols());
+  }
+
   void apply_chunk(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
                    float mean_g, float mean_g_xhat, float* dw_acc, float* db_acc) {
     apply(advance(dy_row(r), begin, esize), advance(x_row(r), begin, esize),
@@ -336,11 +404,6 @@ void store_floats(const float* values, std::int64_t n, Vector dst, std::int64_t 
   for (std::int64_t j = 0; j < n; ++j)
     detail::store_from_float(dst.data, dst.dtype, offset + j, values[j]);
 }
-
-// Per-row coefficients of dx.
-struct RowCoefficients {
-  float mean, rstd, mean_g, mean_g_xhat;
-};
 
 // dst (in the gradient's dtype) = sum over blocks of partials, added in block order.
 // Walks each column chunk block by block, so every pass is a contiguous, vectorizable run.
@@ -371,18 +434,20 @@ void backward_rows(BackwardCall& call, int threads, float* dw_partials, float* d
     if (dw_acc) std::fill(dw_acc, dw_acc + cols, 0.0f);
     if (db_acc) std::fill(db_acc, db_acc + cols, 0.0f);
     const std::int64_t end = std::min(rows, (b + 1) * blocks.rows_per_block);
-    for (std::int64_t r = b * blocks.rows_per_block; r < end; ++r) {
-      float mean, rstd;
-      call.row_stats(r, &mean, &rstd);
-      float sum_g_xhat = 0.0f, sum_g = 0.0f;
-      for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
-        float g_xhat, g;
-        call.dots(r, begin, std::min(kReduceChunk, cols - begin), mean, rstd, &g_xhat, &g);
-        sum_g_xhat += g_xhat;
-        sum_g += g;
+    std::int64_t r = b * blocks.rows_per_block;
+    // Two rows at a time: the apply pass loads and stores the dw / db partials and loads
+    // the weight once per pair instead of once per row. Measured at 16384 x 4096, one
+    // thread: fp32 8 to 12 % faster, fp16 and bf16 1 to 4 %. Pairing the dots pass as well
+    // (four input streams at once) made fp16 and bf16 5 to 13 % slower.
+    if (call.pairable()) {
+      for (; r + 2 <= end; r += 2) {
+        const RowCoefficients c[2] = {call.coefficients(r), call.coefficients(r + 1)};
+        call.apply_pair_rows(r, c, dw_acc, db_acc);
       }
-      call.apply_chunk(r, 0, cols, mean, rstd, sum_g / static_cast<float>(cols),
-                       sum_g_xhat / static_cast<float>(cols), dw_acc, db_acc);
+    }
+    for (; r < end; ++r) {
+      const RowCoefficients c = call.coefficients(r);
+      call.apply_chunk(r, 0, cols, c.mean, c.rstd, c.mean_g, c.mean_g_xhat, dw_acc, db_acc);
     }
   });
   if (call.want_dw) finish_column_sums(dw_partials, blocks.count, cols, call.p.dw, threads);
@@ -485,7 +550,10 @@ void forward(const ForwardProblem& p, int num_threads) {
     forward_split_rows(call, plan.threads);
     return;
   }
-  parallel_for(plan.threads, p.rows(), [&](std::int64_t r) { forward_row(call, r); });
+  const std::int64_t batch = rows_per_batch(p.cols(), call.esize);
+  parallel_for(plan.threads, ceil_div(p.rows(), batch), [&](std::int64_t b) {
+    forward_rows(call, b * batch, std::min(p.rows(), (b + 1) * batch));
+  });
 }
 
 void backward(const BackwardProblem& p, int num_threads) {

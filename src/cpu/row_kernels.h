@@ -10,6 +10,7 @@
 // in), so the element type T of x / y / dy / dx is the only dtype dimension.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -35,13 +36,29 @@ using BackwardApplyFn = void (*)(const void* dy, const void* x, const float* w, 
                                  float* dw_acc, float* db_acc, std::int64_t n, float mean,
                                  float rstd, float mean_g, float mean_g_xhat);
 
+// The rows a backward_apply_pair call works on (kRows = 2; the one-row backward_apply
+// shares its implementation with kRows = 1): per row, dy / x / dx and the coefficients.
+template <std::size_t kRows>
+struct BackwardRows {
+  const void* dy[kRows];
+  const void* x[kRows];
+  void* dx[kRows];
+  float mean[kRows], rstd[kRows], mean_g[kRows], mean_g_xhat[kRows];
+};
+// BackwardApplyFn of two rows: dw_acc / db_acc take row 0's terms then row 1's, the bits of
+// two one-row calls, but are loaded and stored once. When streamed, both dx rows must have
+// the same address modulo 64.
+using BackwardApplyPairFn = void (*)(const BackwardRows<2>& rows, const float* w, float* dw_acc,
+                                     float* db_acc, std::int64_t n);
+
 struct DTypeKernels {
   SumFn sum;
   SumSquaresFn sum_squares[2];  // [centered]
   AddResidualFn add_residual;
-  NormalizeFn normalize[2][2][2][2];              // [stream][centered][weight][bias]
-  BackwardDotsFn backward_dots[2][2];             // [centered][weight]
-  BackwardApplyFn backward_apply[2][2][2][2][2];  // [stream][centered][weight][dw][db]
+  NormalizeFn normalize[2][2][2][2];                       // [stream][centered][weight][bias]
+  BackwardDotsFn backward_dots[2][2];                      // [centered][weight]
+  BackwardApplyFn backward_apply[2][2][2][2][2];           // [stream][centered][weight][dw][db]
+  BackwardApplyPairFn backward_apply_pair[2][2][2][2][2];  // as backward_apply
 };
 
 struct RowKernels {
