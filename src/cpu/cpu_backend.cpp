@@ -120,13 +120,16 @@ float chunked_sum(std::int64_t cols, ChunkFn chunk_fn) {
   return total;
 }
 
-// Rows per forward batch: about kBatchBytes of input, so that a batch's rows are still in
-// the caches when they are normalized. Measured at 16384 x 4096, one thread, against
-// one-row batches: fp16 and bf16 -12 %, fp32 (two-row batches) unchanged; 128 KiB batches
-// were no better.
+// Rows per forward batch when the output is streamed: about kBatchBytes of input, so that a
+// batch's rows are still in the caches when they are normalized. Measured at 16384 x 4096,
+// one thread, against one-row batches: fp16 and bf16 -12 %, fp32 (two-row batches)
+// unchanged; 128 KiB batches were no better. Without streaming, batches cost time instead
+// (bf16, 8M elements, one thread: D = 512 1.9 -> 3.0-3.6 ms, D = 1024 1.6 -> 2.2-2.5 ms),
+// so cached outputs are written row by row.
 constexpr std::int64_t kMaxBatchRows = 64;
 constexpr std::size_t kBatchBytes = 32 * 1024;
-std::int64_t rows_per_batch(std::int64_t cols, std::size_t esize) {
+std::int64_t rows_per_batch(std::int64_t cols, std::size_t esize, bool stream) {
+  if (!stream) return 1;
   const auto row_bytes = static_cast<std::int64_t>(static_cast<std::size_t>(cols) * esize);
   return std::clamp<std::int64_t>(static_cast<std::int64_t>(kBatchBytes) / row_bytes, 1,
                                   kMaxBatchRows);
@@ -550,7 +553,7 @@ void forward(const ForwardProblem& p, int num_threads) {
     forward_split_rows(call, plan.threads);
     return;
   }
-  const std::int64_t batch = rows_per_batch(p.cols(), call.esize);
+  const std::int64_t batch = rows_per_batch(p.cols(), call.esize, call.stream);
   parallel_for(plan.threads, ceil_div(p.rows(), batch), [&](std::int64_t b) {
     forward_rows(call, b * batch, std::min(p.rows(), (b + 1) * batch));
   });
