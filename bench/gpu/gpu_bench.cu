@@ -168,32 +168,31 @@ int main(int argc, char** argv) {
         double bytes;
         int accumulators;  // backward: fp32 column sums per column (dw: 1, dw and db: 2); -1: forward
         std::function<void()> call;
+        std::function<void()> prepare = {};  // run once before the timed calls
       };
+      // Backward with the forward's statistics (computed just before), as autograd calls it.
+      const auto rms_stats = [&] { rms_norm(ctx, xm, wv, ym, rstd); };
+      const auto layer_stats = [&] { layer_norm(ctx, xm, wv, bv, ym, mean, rstd); };
       const std::vector<Op> ops = {
           {"rms_norm", 2 * io + pv, -1, [&] { rms_norm(ctx, xm, wv, ym, rstd); }},
           {"fused_add_rms_norm", 4 * io + pv, -1,
            [&] { fused_add_rms_norm(ctx, xm, matrix(r, dt, rows, cols), wv, ym, rstd); }},
           {"layer_norm", 2 * io + 2 * pv, -1, [&] { layer_norm(ctx, xm, wv, bv, ym, mean, rstd); }},
-          // Backward with the forward's statistics (computed just before), as autograd calls it.
           {"rms_norm_backward", 3 * io + 2 * pv, 1,
            [&] {
              rms_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, rstd, ym, {dw, dt, cols}, {},
                                {ws, ws_bytes});
-           }},
+           },
+           rms_stats},
           {"layer_norm_backward", 3 * io + 3 * pv, 2,
            [&] {
              layer_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, mean, rstd, ym, {dw, dt, cols},
                                  {db, dt, cols}, {}, {ws, ws_bytes});
-           }},
+           },
+           layer_stats},
       };
       for (const Op& op : ops) {
-        if (op.accumulators >= 0) {  // statistics of x for the backward
-          if (std::string(op.name) == "layer_norm_backward") {
-            layer_norm(ctx, xm, wv, bv, ym, mean, rstd);
-          } else {
-            rms_norm(ctx, xm, wv, ym, rstd);
-          }
-        }
+        if (op.prepare) op.prepare();
         cuda::ProblemShape s{rows, cols, static_cast<int>(es), cols % cuda::full_vector(static_cast<int>(es)) == 0,
                              std::max(op.accumulators, 0)};
         auto plan_for = [&](const cuda::PlanOptions& options) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -89,7 +90,7 @@ ProblemShape problem_shape(const ConstMatrix& x, std::initializer_list<const voi
 PlanOptions plan_options() {
   PlanOptions options;
   const char* staged = std::getenv("FUSEDNORM_CUDA_STAGED_ROWS");
-  options.staged_rows = staged == nullptr || std::string(staged) != "0";
+  options.staged_rows = staged == nullptr || std::strcmp(staged, "0") != 0;
   return options;
 }
 

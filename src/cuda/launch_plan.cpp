@@ -198,11 +198,6 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanO
   const auto stage_bytes = [&](std::int64_t slice) {
     return staged_backward_smem(slice, plan.vec, s.elem_bytes).total(s.accumulators);
   };
-  if (options.staged_rows && plan_staged(nvec, slot_limit, d, stage_bytes, plan)) {
-    plan.partial_slots = plan.grid / plan.cluster_size;
-    plan.finish_lanes = finish_lanes_for(plan.partial_slots);
-    return plan;
-  }
   // Longer still (sm_90): only the column sums in shared memory, dy and x read again from
   // device memory in each pass. A cluster of 8 shares each row, so the rows in flight are
   // few (sm_count / 8) and a re-read should find the row in L2 (prediction; gpu_bench's
@@ -210,11 +205,14 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanO
   const auto sums_bytes = [&](std::int64_t slice) {
     return std::max<std::int64_t>(16, s.accumulators * staged_backward_smem(slice, plan.vec, s.elem_bytes).acc_bytes);
   };
-  if (options.staged_rows && plan_staged(nvec, slot_limit, d, sums_bytes, plan, kMaxClusterSize)) {
-    plan.staged_inputs = false;
-    plan.partial_slots = plan.grid / plan.cluster_size;
-    plan.finish_lanes = finish_lanes_for(plan.partial_slots);
-    return plan;
+  if (options.staged_rows) {
+    const bool staged = plan_staged(nvec, slot_limit, d, stage_bytes, plan);
+    if (staged || plan_staged(nvec, slot_limit, d, sums_bytes, plan, kMaxClusterSize)) {
+      plan.staged_inputs = staged;
+      plan.partial_slots = plan.grid / plan.cluster_size;
+      plan.finish_lanes = finish_lanes_for(plan.partial_slots);
+      return plan;
+    }
   }
 
   // Beyond that: a per-row coefficient kernel, then a column-tile kernel that writes dx and

@@ -32,11 +32,11 @@ cudaError_t launch_forward_variant(const LaunchPlan& plan, const ForwardArgs& a,
         });
       }
       case KernelKind::kSmemRow:
-        return launch_kernel(norm_forward_row_kernel<T, kVec, V, RowStorage::kSmem>, grid,
-                             dim3(plan.team_threads), plan.smem_bytes, 1, stream, a, plan.slice_vecs);
-      case KernelKind::kClusterRow:
-        return launch_kernel(norm_forward_row_kernel<T, kVec, V, RowStorage::kCluster>, grid,
-                             dim3(plan.team_threads), plan.smem_bytes, plan.cluster_size, stream, a,
+      case KernelKind::kClusterRow:  // cluster_size is 1 for kSmemRow
+        return launch_kernel(plan.kind == KernelKind::kSmemRow
+                                 ? norm_forward_row_kernel<T, kVec, V, RowStorage::kSmem>
+                                 : norm_forward_row_kernel<T, kVec, V, RowStorage::kCluster>,
+                             grid, dim3(plan.team_threads), plan.smem_bytes, plan.cluster_size, stream, a,
                              plan.slice_vecs);
       case KernelKind::kTwoPass:
         return launch_kernel(norm_forward_row_kernel<T, kVec, V, RowStorage::kGlobal>, grid,
@@ -86,14 +86,11 @@ cudaError_t launch_backward_variant(const LaunchPlan& plan, const BackwardArgs& 
                              stream, a, plan.rows_per_block);
       }
     }
-    if (plan.kind == KernelKind::kSmemRow) {
-      return launch_kernel(norm_backward_row_kernel<T, kVec, V, RowStorage::kSmem, true>,
-                           dim3(static_cast<unsigned>(plan.grid)), dim3(plan.team_threads), plan.smem_bytes, 1,
-                           stream, a, plan.slice_vecs);
-    }
-    if (plan.kind == KernelKind::kClusterRow) {
-      const auto kernel = plan.staged_inputs ? norm_backward_row_kernel<T, kVec, V, RowStorage::kCluster, true>
-                                             : norm_backward_row_kernel<T, kVec, V, RowStorage::kCluster, false>;
+    if (plan.kind == KernelKind::kSmemRow || plan.kind == KernelKind::kClusterRow) {
+      const auto kernel = plan.kind == KernelKind::kSmemRow
+                              ? norm_backward_row_kernel<T, kVec, V, RowStorage::kSmem, true>
+                          : plan.staged_inputs ? norm_backward_row_kernel<T, kVec, V, RowStorage::kCluster, true>
+                                               : norm_backward_row_kernel<T, kVec, V, RowStorage::kCluster, false>;
       return launch_kernel(kernel, dim3(static_cast<unsigned>(plan.grid)), dim3(plan.team_threads), plan.smem_bytes,
                            plan.cluster_size, stream, a, plan.slice_vecs);
     }

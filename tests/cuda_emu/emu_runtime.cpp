@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <new>
@@ -264,12 +265,14 @@ void* initial_stack(char* stack) {
 }
 
 // Arrives at a barrier of `expected` threads (counter / generation pair) and waits until all
-// have arrived.
-void barrier(CtaRun& c, unsigned& arrived, unsigned& generation, unsigned expected) {
+// have arrived. The last to arrive runs before_release (if any) before releasing the others.
+void barrier(CtaRun& c, unsigned& arrived, unsigned& generation, unsigned expected,
+             const std::function<void()>& before_release = {}) {
   const unsigned gen = generation;
   ++c.progress;
   if (++arrived == expected) {
     arrived = 0;
+    if (before_release) before_release();
     ++generation;
     return;
   }
@@ -440,16 +443,10 @@ unsigned cluster_block_rank() { return cta().rank; }
 
 void cluster_sync() {
   CtaRun& c = cta();
-  const unsigned gen = c.cluster_generation;
-  ++c.progress;
-  if (++c.cluster_arrived == c.threads) {
-    // The last of this CTA's threads waits (holding its OS thread) for the other CTAs.
-    c.cluster_arrived = 0;
+  // The last of this CTA's threads waits (holding its OS thread) for the other CTAs.
+  barrier(c, c.cluster_arrived, c.cluster_generation, c.threads, [&c] {
     if (c.cluster != nullptr) c.cluster->os_barrier("cluster.sync()");
-    ++c.cluster_generation;
-    return;
-  }
-  while (c.cluster_generation == gen) yield_to_scheduler();
+  });
 }
 
 void* map_shared_rank(void* address, unsigned rank) {
