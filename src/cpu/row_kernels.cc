@@ -520,6 +520,26 @@ void BackwardApplyPair(const BackwardRows<2>& rows, const float* w, float* dw_ac
   BackwardApplyRows<T, kStream, kCentered, kWeight, kDw, kDb, 2>(rows, w, dw_acc, db_acc, n);
 }
 
+void StreamCopy(void* dst_ptr, const void* src_ptr, int64_t bytes) {
+  const hn::ScalableTag<uint8_t> d8;
+  const auto N = static_cast<int64_t>(hn::Lanes(d8));
+  auto* dst = static_cast<uint8_t*>(dst_ptr);
+  const auto* src = static_cast<const uint8_t*>(src_ptr);
+  constexpr int64_t kLine = 64;
+  const auto head =
+      static_cast<int64_t>((kLine - reinterpret_cast<uintptr_t>(dst) % kLine) % kLine);
+  if (kLine % N != 0 || N < 16 || head + kLine > bytes) {
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+    return;
+  }
+  std::memcpy(dst, src, static_cast<size_t>(head));
+  int64_t i = head;
+  for (; i + kLine <= bytes; i += kLine) {
+    for (int64_t k = 0; k < kLine; k += N) hn::Stream(hn::LoadU(d8, src + i + k), d8, dst + i + k);
+  }
+  std::memcpy(dst + i, src + i, static_cast<size_t>(bytes - i));
+}
+
 // ---- Table construction ----------------------------------------------------------------
 
 // The table slots (ParamType) of a weight or bias of type W (void: none) next to rows of
@@ -614,6 +634,7 @@ void FillRowKernels(RowKernels* kernels) {
   FillDType<float>(&kernels->by_dtype[static_cast<int>(DType::kFloat32)]);
   FillDType<hwy::float16_t>(&kernels->by_dtype[static_cast<int>(DType::kFloat16)]);
   FillDType<hwy::bfloat16_t>(&kernels->by_dtype[static_cast<int>(DType::kBFloat16)]);
+  kernels->stream_copy = &StreamCopy;
   kernels->target_name = hwy::TargetName(HWY_TARGET);
 }
 

@@ -107,8 +107,13 @@ struct DTypeKernels {
   BackwardApplyPairFn backward_apply_pair[2][2][2][2][2];  // as backward_apply
 };
 
+// dst[0, bytes) = src[0, bytes), with non-temporal stores for every whole 64-byte line of
+// dst and ordinary stores for the partial lines at its ends. The caller fences.
+using StreamCopyFn = void (*)(void* dst, const void* src, std::int64_t bytes);
+
 struct RowKernels {
   DTypeKernels by_dtype[3];  // indexed by DType
+  StreamCopyFn stream_copy;
   const char* target_name;
 };
 
