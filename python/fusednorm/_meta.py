@@ -141,6 +141,77 @@ def _layer_norm_backward_fake(
     return x.new_empty(x.shape), dw, db
 
 
+# The .out overloads write into the caller's tensors and return nothing. Their fakes repeat
+# the C++ checks that tracing can see (shape, dtype, device of every out tensor) so a bad
+# call fails while tracing with the same message, and return the out tensors themselves.
+
+
+def _check_out(op: str, name: str, out: torch.Tensor, x: torch.Tensor) -> None:
+    torch._check(
+        out.shape == x.shape,
+        lambda: f"fusednorm::{op}: argument '{name}': shape {list(out.shape)} does not match "
+        f"x's {list(x.shape)}",
+    )
+    torch._check(
+        out.dtype == x.dtype,
+        lambda: f"fusednorm::{op}: argument '{name}': dtype {out.dtype} does not match x's "
+        f"{x.dtype}",
+    )
+    torch._check(
+        out.device == x.device,
+        lambda: f"fusednorm::{op}: argument '{name}': is on {out.device} but x is on {x.device}",
+    )
+
+
+def _check_stats_out(op: str, name: str, out: torch.Tensor, x: torch.Tensor) -> None:
+    torch._check(
+        out.dtype == torch.float32 and out.shape == x.shape[:-1] and out.device == x.device,
+        lambda: f"fusednorm::{op}: argument '{name}': {out.dtype} {list(out.shape)} on "
+        f"{out.device} must be float32 {list(x.shape[:-1])} on {x.device}",
+    )
+
+
+@register_fake("fusednorm::rms_norm.out")
+def _rms_norm_out_fake(x, weight, eps=1e-6, weight_offset=0.0, *, out):
+    _check_x("rms_norm.out", x)
+    _check_vector("rms_norm.out", "weight", weight, x)
+    _check_out("rms_norm.out", "out", out, x)
+
+
+@register_fake("fusednorm::rms_norm_fwd.out")
+def _rms_norm_fwd_out_fake(x, weight, eps=1e-6, weight_offset=0.0, *, y, rstd):
+    _check_x("rms_norm_fwd.out", x)
+    _check_vector("rms_norm_fwd.out", "weight", weight, x)
+    _check_out("rms_norm_fwd.out", "y", y, x)
+    _check_stats_out("rms_norm_fwd.out", "rstd", rstd, x)
+
+
+@register_fake("fusednorm::fused_add_rms_norm.out")
+def _fused_add_rms_norm_out_fake(x, residual, weight, eps=1e-6, weight_offset=0.0, *, out):
+    _check_x("fused_add_rms_norm.out", x)
+    _check_like_x("fused_add_rms_norm.out", "residual", residual, x)
+    _check_vector("fused_add_rms_norm.out", "weight", weight, x)
+    _check_out("fused_add_rms_norm.out", "out", out, x)
+
+
+@register_fake("fusednorm::layer_norm.out")
+def _layer_norm_out_fake(x, weight, bias, eps=1e-5, *, out):
+    _check_x("layer_norm.out", x)
+    _check_vector("layer_norm.out", "weight", weight, x)
+    _check_vector("layer_norm.out", "bias", bias, x)
+    _check_out("layer_norm.out", "out", out, x)
+
+
+@register_fake("fusednorm::layer_norm_fwd.out")
+def _layer_norm_fwd_out_fake(x, weight, bias, eps=1e-5, *, y, mean, rstd):
+    _check_x("layer_norm_fwd.out", x)
+    _check_vector("layer_norm_fwd.out", "weight", weight, x)
+    _check_vector("layer_norm_fwd.out", "bias", bias, x)
+    _check_out("layer_norm_fwd.out", "y", y, x)
+    _check_stats_out("layer_norm_fwd.out", "mean", mean, x)
+    _check_stats_out("layer_norm_fwd.out", "rstd", rstd, x)
+
+
 # ---- autograd ------------------------------------------------------------------------
 
 

@@ -9,7 +9,11 @@ Memory layout: an input whose last dimension is contiguous and whose leading dim
 evenly spaced rows (any contiguous tensor, a slice ``x[:, :k]``, a row-strided view, ...) is
 read in place through its strides. Any other layout (last dimension strided, broadcast
 rows) is first copied to a contiguous tensor: that one copy is the only one made. Outputs
-are always new contiguous tensors.
+are new contiguous tensors, or, with ``out=``, the caller's tensor: it must have x's shape,
+dtype and device; any layout the input path reads without a copy is written in place (any
+other through one staging copy); ``out=x`` works in place; any other overlap with an input
+raises. ``out=`` does not allocate and does not record a gradient (like ``torch``'s own
+``out=`` functions it raises when an input requires grad under grad mode).
 
 Errors (wrong dtype, integer tensors, device mismatch, weight of the wrong length) raise
 RuntimeError with a message naming the operator and the argument, e.g.
@@ -22,9 +26,19 @@ import torch
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "layer_norm"]
 
+_ops = torch.ops.fusednorm
+
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _no_grad_for_out(name: str, *tensors: torch.Tensor | None) -> None:
+    if _needs_grad(*tensors):
+        raise RuntimeError(
+            f"fusednorm.{name}: argument 'out': out= does not record a gradient, but an input "
+            "requires grad; call it without out= (or under torch.no_grad())"
+        )
 
 
 def rms_norm(
@@ -32,6 +46,8 @@ def rms_norm(
     weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     weight_offset: float = 0.0,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RMSNorm: ``y = x / sqrt(mean(x**2, -1) + eps) * (weight + weight_offset)``.
 
@@ -40,10 +56,16 @@ def rms_norm(
 
     Differentiable in ``x`` and ``weight``: when a gradient is needed the forward also keeps
     the per-row fp32 rstd, so the fused backward does not recompute it.
+
+    ``out``: write y there instead of a new tensor and return it (no gradient).
     """
-    if _needs_grad(x, weight):
-        return torch.ops.fusednorm.rms_norm_fwd(x, weight, eps, weight_offset)[0]
-    return torch.ops.fusednorm.rms_norm(x, weight, eps, weight_offset)
+    if out is not None:
+        _no_grad_for_out("rms_norm", x, weight)
+        _ops.rms_norm.out(x, weight, eps, weight_offset, out=out)
+        return out
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return _ops.rms_norm_fwd.default(x, weight, eps, weight_offset)[0]
+    return _ops.rms_norm.default(x, weight, eps, weight_offset)
 
 
 def fused_add_rms_norm(
@@ -52,6 +74,8 @@ def fused_add_rms_norm(
     weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     weight_offset: float = 0.0,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``residual += x`` in place (rounded to residual's dtype), then return
     ``rms_norm(residual, weight, eps, weight_offset)``, in one pass over memory.
@@ -64,11 +88,18 @@ def fused_add_rms_norm(
     When a gradient is needed (grad mode on and an input requiring grad) this function runs
     the equivalent unfused composite ``residual.add_(x); rms_norm(residual, ...)`` instead,
     so training gets correct gradients (and autograd's usual in-place checks).
+
+    ``out``: write the normalized value there instead of a new tensor and return it (no
+    gradient); ``out=x`` works in place.
     """
+    if out is not None:
+        _no_grad_for_out("fused_add_rms_norm", x, residual, weight)
+        _ops.fused_add_rms_norm.out(x, residual, weight, eps, weight_offset, out=out)
+        return out
     if _needs_grad(x, residual, weight):
         residual.add_(x)
         return rms_norm(residual, weight, eps, weight_offset)
-    return torch.ops.fusednorm.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+    return _ops.fused_add_rms_norm.default(x, residual, weight, eps, weight_offset)
 
 
 def layer_norm(
@@ -76,10 +107,18 @@ def layer_norm(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LayerNorm over the last dimension: ``(x - mean) * rstd * weight + bias`` with the
     biased variance, like ``torch.nn.functional.layer_norm(x, (D,), weight, bias, eps)``.
-    Differentiable in ``x``, ``weight`` and ``bias``."""
+    Differentiable in ``x``, ``weight`` and ``bias``.
+
+    ``out``: write y there instead of a new tensor and return it (no gradient)."""
+    if out is not None:
+        _no_grad_for_out("layer_norm", x, weight, bias)
+        _ops.layer_norm.out(x, weight, bias, eps, out=out)
+        return out
     if _needs_grad(x, weight, bias):
-        return torch.ops.fusednorm.layer_norm_fwd(x, weight, bias, eps)[0]
-    return torch.ops.fusednorm.layer_norm(x, weight, bias, eps)
+        return _ops.layer_norm_fwd.default(x, weight, bias, eps)[0]
+    return _ops.layer_norm.default(x, weight, bias, eps)
