@@ -21,11 +21,13 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-# The CUDA backend is compiled whenever nvcc is on PATH or in /usr/local/cuda (it needs no GPU).
+# The CUDA backend is compiled whenever nvcc is on PATH or in /usr/local/cuda (it needs no GPU),
+# unless FUSEDNORM_CUDA=OFF (ON: required; default AUTO).
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
 
 jobs=$(nproc)
-cmake -S . -B build/release -DCMAKE_BUILD_TYPE=Release -DFUSEDNORM_WERROR=ON >/dev/null
+cmake -S . -B build/release -DCMAKE_BUILD_TYPE=Release -DFUSEDNORM_WERROR=ON \
+  -DFUSEDNORM_CUDA="${FUSEDNORM_CUDA:-AUTO}" >/dev/null
 cmake --build build/release -j"$jobs" --target fusednorm-bench

@@ -396,7 +396,8 @@ def time_per_call(fns: dict, calls: int = 1000, batches: int = 21) -> dict[str, 
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def measure_per_call(dtype_name: str, cols: int, device: torch.device, with_ort: bool) -> None:
+def measure_per_call(dtype_name: str, cols: int, device: torch.device, with_ort: bool,
+                     calls: int = 1000, batches: int = 21) -> dict[str, float]:
     """Per-call cost at decode size (1 x D), where the binding's overhead is most of it."""
     dtype = DTYPES[dtype_name]
     case = make_case(device, dtype, 1, cols)
@@ -416,8 +417,8 @@ def measure_per_call(dtype_name: str, cols: int, device: torch.device, with_ort:
         except Exception as e:
             print(f"  onnxruntime: {dtype_name} not run: {str(e).splitlines()[0][:160]}",
                   file=sys.stderr)
-    us = time_per_call(fns)
-    print(f"\nPer call, 1x{cols} {dtype_name} (median of 21 batches of 1000 calls, µs)")
+    us = time_per_call(fns, calls, batches)
+    print(f"\nPer call, 1x{cols} {dtype_name} (median of {batches} batches of {calls} calls, µs)")
     for name, t in us.items():
         print(f"  {name:34s} {t:8.2f}")
     add = us["torch.add(x, 1)"]
@@ -426,6 +427,7 @@ def measure_per_call(dtype_name: str, cols: int, device: torch.device, with_ort:
           f"{us['fusednorm.rms_norm'] - us['torch.ops.fusednorm.rms_norm']:+.2f} µs "
           f"(target <= 1 µs); with out=: "
           f"{us['fusednorm.rms_norm(out=)'] - us['torch.ops.fusednorm.rms_norm.out']:+.2f} µs")
+    return us
 
 
 def write_chart(results: list[Result], path: str, title: str) -> None:

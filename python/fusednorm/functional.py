@@ -26,19 +26,19 @@ import torch
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "layer_norm"]
 
-_ops = torch.ops.fusednorm
+# The operator overloads, looked up once: these functions are on the per-call path of
+# decode-sized calls, where each attribute lookup and Python frame shows (measured, see
+# python/README.md "Per-call cost").
+_rms_norm = torch.ops.fusednorm.rms_norm.default
+_rms_norm_out = torch.ops.fusednorm.rms_norm.out
+_fused_add_rms_norm = torch.ops.fusednorm.fused_add_rms_norm.default
+_fused_add_rms_norm_out = torch.ops.fusednorm.fused_add_rms_norm.out
+_layer_norm = torch.ops.fusednorm.layer_norm.default
+_layer_norm_out = torch.ops.fusednorm.layer_norm.out
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _no_grad_for_out(name: str, *tensors: torch.Tensor | None) -> None:
-    if _needs_grad(*tensors):
-        raise RuntimeError(
-            f"fusednorm.{name}: argument 'out': out= does not record a gradient, but an input "
-            "requires grad; call it without out= (or under torch.no_grad())"
-        )
 
 
 def rms_norm(
@@ -54,18 +54,16 @@ def rms_norm(
     ``weight_offset=1.0`` gives Gemma's ``(1 + w)`` with the sum taken in fp32. Without a
     weight, ``y = x * rstd`` and ``weight_offset`` is ignored.
 
-    Differentiable in ``x`` and ``weight``: when a gradient is needed the forward also keeps
-    the per-row fp32 rstd, so the fused backward does not recompute it.
+    Differentiable in ``x`` and ``weight`` (the operator's C++ autograd kernel): when a
+    gradient is needed the forward also keeps the per-row fp32 rstd, so the fused backward
+    does not recompute it.
 
     ``out``: write y there instead of a new tensor and return it (no gradient).
     """
-    if out is not None:
-        _no_grad_for_out("rms_norm", x, weight)
-        _ops.rms_norm.out(x, weight, eps, weight_offset, out=out)
-        return out
-    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return _ops.rms_norm_fwd.default(x, weight, eps, weight_offset)[0]
-    return _ops.rms_norm.default(x, weight, eps, weight_offset)
+    if out is None:
+        return _rms_norm(x, weight, eps, weight_offset)
+    _rms_norm_out(x, weight, eps, weight_offset, out=out)
+    return out
 
 
 def fused_add_rms_norm(
@@ -93,13 +91,12 @@ def fused_add_rms_norm(
     gradient); ``out=x`` works in place.
     """
     if out is not None:
-        _no_grad_for_out("fused_add_rms_norm", x, residual, weight)
-        _ops.fused_add_rms_norm.out(x, residual, weight, eps, weight_offset, out=out)
+        _fused_add_rms_norm_out(x, residual, weight, eps, weight_offset, out=out)
         return out
     if _needs_grad(x, residual, weight):
         residual.add_(x)
-        return rms_norm(residual, weight, eps, weight_offset)
-    return _ops.fused_add_rms_norm.default(x, residual, weight, eps, weight_offset)
+        return _rms_norm(residual, weight, eps, weight_offset)
+    return _fused_add_rms_norm(x, residual, weight, eps, weight_offset)
 
 
 def layer_norm(
@@ -115,10 +112,7 @@ def layer_norm(
     Differentiable in ``x``, ``weight`` and ``bias``.
 
     ``out``: write y there instead of a new tensor and return it (no gradient)."""
-    if out is not None:
-        _no_grad_for_out("layer_norm", x, weight, bias)
-        _ops.layer_norm.out(x, weight, bias, eps, out=out)
-        return out
-    if _needs_grad(x, weight, bias):
-        return _ops.layer_norm_fwd.default(x, weight, bias, eps)[0]
-    return _ops.layer_norm.default(x, weight, bias, eps)
+    if out is None:
+        return _layer_norm(x, weight, bias, eps)
+    _layer_norm_out(x, weight, bias, eps, out=out)
+    return out

@@ -108,12 +108,11 @@ def _relative_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
 
 
 def _errors(run, truth) -> dict[str, float]:
-    logits, loss, grads = run
-    t_logits, t_loss, t_grads = truth
+    logits, _, grads = run
+    t_logits, _, t_grads = truth
     assert grads.keys() == t_grads.keys()
     return {
         "logits": _relative_error(logits, t_logits),
-        "loss": abs(loss.item() - t_loss.item()) / abs(t_loss.item()),
         # every parameter's gradient counts equally, whatever its scale
         "gradients": sum(_relative_error(grads[n], t_grads[n]) for n in t_grads) / len(t_grads),
     }
@@ -121,16 +120,19 @@ def _errors(run, truth) -> dict[str, float]:
 
 # Patching must not make a bf16 model measurably less accurate than transformers' own bf16
 # path, both measured against an fp64 run of the same weights (the truth; transformers
-# still computes the rotary tables in fp32). The two bf16 paths round at different places
-# (HF: the normalized value to bf16, then the product with the weight; fusednorm: once,
-# after the weight), so each is one random draw of bf16 rounding error through the whole
-# model, and the error of either fluctuates around the same size. ACCURACY_MARGIN bounds
-# that fluctuation: over 20 seeds x 4 architectures on AVX2 (this test's measurement, see
-# the commit message) the patched/unpatched ratio of these errors stayed below 1.2; a
-# patched model that rounded twice as often, or lost an ulp per norm, exceeds 1.5. The loss
-# is one scalar, one sample of that error: it gets one bf16 ulp of absolute slack too.
-ACCURACY_MARGIN = 1.25
-BF16_ULP = 2.0**-8
+# computes the rotary tables in fp32 even then). The two bf16 paths round at different
+# places (Llama/Qwen: HF rounds the normalized value to bf16, then the product with the
+# weight; fusednorm rounds once, after the weight. Gemma: the same order, bit-identical),
+# so each is one draw of bf16 rounding error through the whole model, and the errors
+# fluctuate around the same size; the SIMD target (AVX2 or AVX-512 reduction order) moves
+# them too. Measured on AVX2 over seeds 0-19 x the 4 architectures (the patched / unpatched
+# ratio of these errors): median 0.95 (logits) and 0.94 (gradients) for Llama and Qwen3,
+# 1.000 for the Gemmas, worst 1.03 (logits) and 1.04 (gradients). ACCURACY_MARGIN = 1.10
+# is about twice that worst spread: a systematic loss of accuracy in the patched path moves
+# the ratio of every draw, not one draw in 80. The loss is one
+# scalar computed from the logits, one sample of their error, so it is only checked to be
+# near the truth (measured relative error <= 2e-4 for both paths).
+ACCURACY_MARGIN = 1.10
 
 
 @pytest.mark.parametrize("arch", MODELS, ids=str)
@@ -144,16 +146,17 @@ def test_patch_hf_bf16_not_less_accurate_than_transformers(arch):
     patched = copy.deepcopy(master).to(torch.bfloat16)
     _patch_and_check_structure(patched, arch)
 
-    hf = _errors(_loss_and_grads(unpatched, ids), truth)
-    ours = _errors(_loss_and_grads(patched, ids), truth)
+    hf_run = _loss_and_grads(unpatched, ids)
+    our_run = _loss_and_grads(patched, ids)
+    hf, ours = _errors(hf_run, truth), _errors(our_run, truth)
     for what in hf:
-        slack = BF16_ULP if what == "loss" else 0.0
-        assert ours[what] <= ACCURACY_MARGIN * hf[what] + slack, (
+        assert ours[what] <= ACCURACY_MARGIN * hf[what], (
             f"{arch} bf16 {what}: error vs fp64 {ours[what]:.3g} patched, {hf[what]:.3g} "
             f"with transformers' RMSNorm (margin {ACCURACY_MARGIN}x)"
         )
-    # and both are bf16-sized errors, not a broken model
-    assert ours["logits"] < 0.05 and hf["logits"] < 0.05, (ours, hf)
+    truth_loss = truth[1].item()
+    for name, run in (("patched", our_run), ("transformers", hf_run)):
+        assert abs(run[1].item() - truth_loss) <= 1e-3 * abs(truth_loss), (name, run[1], truth_loss)
 
 
 def test_patch_hf_module_details():

@@ -110,8 +110,11 @@ def test_python_functions_take_out(dtype):
 
 def test_out_refuses_inputs_that_need_grad():
     x = _randn(2, 8).requires_grad_()
-    with pytest.raises(RuntimeError, match=r"fusednorm.rms_norm: argument 'out'"):
+    with pytest.raises(RuntimeError, match=r"fusednorm::rms_norm.out: argument 'x': requires grad"):
         fusednorm.rms_norm(x, None, out=torch.empty(2, 8))
+    w = torch.ones(8, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"fusednorm::layer_norm.out: argument 'weight'"):
+        ops.layer_norm(torch.ones(2, 8), w, None, 1e-5, out=torch.empty(2, 8))
     with torch.no_grad():
         out = torch.empty(2, 8)
         assert fusednorm.rms_norm(x, None, out=out) is out
