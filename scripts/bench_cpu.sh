@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU figures of docs/PERFORMANCE.md: fusednorm-bench (fused kernels only) on the shapes
-# the targets are set for (16384 x 4096, 2048 x 8192, 65536 x 128: forward, fused add,
-# backward; 1 x 4096 forward), every dtype, on the CPU's native SIMD target and on AVX2.
+# the targets are set for (16384 x 4096, 2048 x 8192, 65536 x 128: every operator, forward
+# and backward; 1 x 4096 forward), every dtype, on the CPU's native SIMD target and on AVX2.
 # Prints one markdown table; the raw JSON lines go to build/bench_cpu.jsonl.
 #
 # Environment:
@@ -57,9 +57,8 @@ for round in $(seq "$rounds"); do
       run "$target" "$round" --rows 1 --dim 4096 --dtype "$dtype" --op rms_norm --repeat 2000
       for shape in "16384 4096" "2048 8192" "65536 128"; do
         set -- $shape
-        for op in rms_norm fused_add_rms_norm rms_norm_backward; do
-          run "$target" "$round" --rows "$1" --dim "$2" --dtype "$dtype" --op "$op"
-        done
+        # Every operator on the same inputs (one setup per shape).
+        run "$target" "$round" --rows "$1" --dim "$2" --dtype "$dtype" --op all
       done
     done
   done
