@@ -216,7 +216,8 @@ struct ForwardCall {
        advance(y_row(r), begin, esize), n, mean, rstd, weight_offset);
   }
   static const void* param_at(const ConstVector& v, std::int64_t begin) {
-    return v.data == nullptr ? nullptr : advance(v.data, begin, dtype_size(v.dtype));
+    // (dtype_size is an out-of-line call; this runs once per row.)
+    return v.data == nullptr ? nullptr : advance(v.data, begin, v.dtype == DType::kFloat32 ? 4 : 2);
   }
   void store_stats(std::int64_t r, float mean, float rstd) const {
     if (p.rstd != nullptr) p.rstd[r] = rstd;

@@ -378,7 +378,11 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
     if constexpr (kCentered) out = hn::Sub(out, vmean);
     out = hn::Mul(out, vrstd);
     if constexpr (!std::is_void_v<W>) {
-      out = hn::Mul(out, hn::Add(LoadParam<W>(full, df, w, i, count), voffset));
+      // LayerNorm has no weight offset: no add (which would also stop the compiler from
+      // folding the weight's load into the multiply).
+      VF wv = LoadParam<W>(full, df, w, i, count);
+      if constexpr (!kCentered) wv = hn::Add(wv, voffset);
+      out = hn::Mul(out, wv);
     }
     if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, df, b, i, count));
     return out;

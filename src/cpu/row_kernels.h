@@ -48,7 +48,8 @@ using SumSquaresFn = float (*)(const void* x, std::int64_t n, float center);
 // residual <- round(x + residual); returns the sum of squares of the rounded residual.
 using AddResidualFn = float (*)(const void* x, void* residual, std::int64_t n);
 // y = (x - mean) * rstd [* (w + w_offset)] [+ b]; w and b in the dtypes of the table slot
-// (ParamType). w_offset comes from kernel_weight_offset().
+// (ParamType). w_offset comes from kernel_weight_offset(); the centered (LayerNorm) kernels
+// have none and ignore it.
 using NormalizeFn = void (*)(const void* x, const void* w, const void* b, void* y, std::int64_t n,
                              float mean, float rstd, float w_offset);
 
