@@ -86,7 +86,8 @@ int sm_count() {
 //                random while (how sticky is drawn per CTA), the thread that releases a
 //                barrier not always first past it, and the running CTA of a cluster handed
 //                over at random switch points. Each launch and CTA draws from
-//                (SEED, launch number, CTA index), so a seed replays the same run.
+//                (SEED, launch number in the process, CTA index): the same command with
+//                the same seed (same tests, same filter) replays the same run.
 enum class ScheduleKind { kForward, kReverse, kWarpGreedy, kRandom };
 struct Schedule {
   ScheduleKind kind = ScheduleKind::kForward;
