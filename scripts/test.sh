@@ -12,10 +12,11 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 
 echo "== 1. build and C++ tests (Release)"
-if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+if [ "${FUSEDNORM_CUDA:-AUTO}" != OFF ] && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }; then
   scripts/setup_sass_tools.sh  # cuobjdump / nvdisasm for the SASS checks of the CUDA build
 fi
-scripts/setup.sh
+scripts/setup.sh                          # prerequisites, the library and fusednorm-bench
+cmake --build build/release -j"$jobs"     # the rest: test suites, CUDA emulation
 ctest --test-dir build/release --output-on-failure -j"$jobs"
 
 echo "== 2. C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
