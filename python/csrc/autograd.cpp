@@ -52,8 +52,9 @@ rms_norm_backward_op() {
   return op;
 }
 
-using LayerNormFwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const OptTensor&, const OptTensor&, double);
+using LayerNormFwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                       const OptTensor&,
+                                                                       const OptTensor&, double);
 c10::TypedOperatorHandle<LayerNormFwdSig> layer_norm_fwd_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fusednorm::layer_norm_fwd", "")
@@ -149,16 +150,15 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const bool want_dw = weight.has_value() && ctx->needs_input_grad(1);
     const bool has_bias = ctx->saved_data.count("bias_dtype") != 0;
     const bool want_db = has_bias && ctx->needs_input_grad(weight.has_value() ? 2 : 1);
-    auto [dx, dw, db] = layer_norm_backward_op().call(as_dtype_of(grads[0], x), x, weight,
-                                                      saved[2], saved[3],
-                                                      ctx->saved_data["eps"].toDouble(), want_dw,
-                                                      want_db);
+    auto [dx, dw, db] =
+        layer_norm_backward_op().call(as_dtype_of(grads[0], x), x, weight, saved[2], saved[3],
+                                      ctx->saved_data["eps"].toDouble(), want_dw, want_db);
     if (want_db) {
       const auto bias_dtype = ctx->saved_data["bias_dtype"].toScalarType();
       if (db.scalar_type() != bias_dtype) db = db.to(bias_dtype);
     }
-    return {want_dx ? dx : at::Tensor(), want_dw ? dw : at::Tensor(),
-            want_db ? db : at::Tensor(), at::Tensor()};
+    return {want_dx ? dx : at::Tensor(), want_dw ? dw : at::Tensor(), want_db ? db : at::Tensor(),
+            at::Tensor()};
   }
 };
 
