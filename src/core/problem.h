@@ -8,6 +8,11 @@ namespace fusednorm::detail {
 
 enum class NormKind { kRms, kLayer };
 
+// Which part of an operator a call runs (RMSNorm only for the two phases; see fusednorm.h):
+// the whole operator; phase 1 (per-row partial sums of a column slice, nothing else); or
+// phase 2 (the rest, given the whole row's sums over full_cols columns).
+enum class Phase { kWhole, kPartialSums, kFromSums };
+
 struct ForwardProblem {
   NormKind kind = NormKind::kRms;
   ConstMatrix x;
@@ -19,6 +24,10 @@ struct ForwardProblem {
   float* rstd = nullptr;
   float eps = 0.0f;
   float weight_offset = 0.0f;  // RMSNorm only
+  Phase phase = Phase::kWhole;
+  float* partial_sum_squares = nullptr;    // kPartialSums: per row, sum of squares
+  const float* row_sum_squares = nullptr;  // kFromSums: per row, over the whole row
+  std::int64_t full_cols = 0;              // kFromSums: the whole row's length
 
   bool has_residual() const { return residual.data != nullptr; }
   std::int64_t rows() const { return x.rows; }
@@ -33,11 +42,18 @@ struct BackwardProblem {
   const float* mean = nullptr;  // LayerNorm only
   const float* rstd = nullptr;
   Matrix dx;
+  ConstMatrix dx_addend;  // RMSNorm only; nullable: dx = norm's dx + dx_addend
   Vector dw;
   Vector db;  // LayerNorm only
   float eps = 0.0f;
   float weight_offset = 0.0f;
   Workspace workspace;
+  Phase phase = Phase::kWhole;
+  float* partial_sum_g_xhat = nullptr;    // kPartialSums: per row, sum of g * x_hat
+  const float* row_sum_g_xhat = nullptr;  // kFromSums: per row, over the whole row
+  std::int64_t full_cols = 0;             // kFromSums: the whole row's length
+
+  bool has_addend() const { return dx_addend.data != nullptr; }
 
   std::int64_t rows() const { return x.rows; }
   std::int64_t cols() const { return x.cols; }

@@ -20,6 +20,7 @@ namespace {
 using detail::BackwardProblem;
 using detail::ForwardProblem;
 using detail::NormKind;
+using detail::Phase;
 
 // Below this many bytes per thread, waking another thread costs more than it saves.
 constexpr std::size_t kMinBytesPerThread = 256 * 1024;
@@ -205,6 +206,18 @@ struct ForwardCall {
        bias.present() ? bias.data() + begin : nullptr, advance(y_row(r), begin, esize), n, mean,
        rstd);
   }
+  // Row r's statistics: from the whole row's sum of squares (phase 2 of a two-phase call),
+  // else computed from the row.
+  RowStats row_stats(std::int64_t r) const {
+    if (p.phase == Phase::kFromSums) {
+      return {0.0f,
+              rstd_from_mean_square(p.row_sum_squares[r] / static_cast<float>(p.full_cols), p.eps)};
+    }
+    return compute_row_stats(
+        p.cols(), centered, p.eps,
+        [&](std::int64_t b, std::int64_t n) { return first_stat(r, b, n); },
+        [&](std::int64_t b, std::int64_t n, float m) { return centered_stat(r, b, n, m); });
+  }
   void store_stats(std::int64_t r, float mean, float rstd) const {
     if (p.rstd != nullptr) p.rstd[r] = rstd;
     if (p.mean != nullptr) p.mean[r] = mean;
@@ -216,14 +229,7 @@ struct ForwardCall {
 // switch between a read phase and a streamed write phase is not free.
 void forward_rows(const ForwardCall& call, std::int64_t begin, std::int64_t end) {
   RowStats stats[kMaxBatchRows];
-  for (std::int64_t r = begin; r < end; ++r) {
-    stats[r - begin] = compute_row_stats(
-        call.p.cols(), call.centered, call.p.eps,
-        [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); },
-        [&](std::int64_t b, std::int64_t n, float mean) {
-          return call.centered_stat(r, b, n, mean);
-        });
-  }
+  for (std::int64_t r = begin; r < end; ++r) stats[r - begin] = call.row_stats(r);
   for (std::int64_t r = begin; r < end; ++r) {
     const RowStats& s = stats[r - begin];
     call.normalize(r, 0, call.p.cols(), s.mean, s.rstd);
@@ -251,11 +257,27 @@ void forward_split_rows(const ForwardCall& call, int threads) {
     return total;
   };
 
+  if (call.p.phase == Phase::kFromSums) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      rstd[r] = call.row_stats(r).rstd;
+      call.store_stats(r, 0.0f, rstd[r]);
+    }
+    parallel_for(threads, tasks, [&](std::int64_t t) {
+      std::int64_t r, begin, n;
+      chunk_of(t, &r, &begin, &n);
+      call.normalize(r, begin, n, 0.0f, rstd[r]);
+    });
+    return;
+  }
   parallel_for(threads, tasks, [&](std::int64_t t) {
     std::int64_t r, begin, n;
     chunk_of(t, &r, &begin, &n);
     partial[t] = call.first_stat(r, begin, n);
   });
+  if (call.p.phase == Phase::kPartialSums) {
+    for (std::int64_t r = 0; r < rows; ++r) call.p.partial_sum_squares[r] = row_total(r);
+    return;
+  }
   if (call.centered) {
     for (std::int64_t r = 0; r < rows; ++r) mean[r] = row_total(r) / static_cast<float>(cols);
     parallel_for(threads, tasks, [&](std::int64_t t) {
@@ -310,9 +332,11 @@ struct BackwardCall {
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),
         stream(stream_output(problem.rows(), problem.cols(), problem.x.dtype)),
-        apply(k.backward_apply[stream][centered][weight.present()][want_dw][want_db]),
-        apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]) {
-    if (p.dx.data == nullptr) {
+        apply(k.backward_apply[stream][centered][weight.present()][want_dw][want_db]
+                              [problem.has_addend()]),
+        apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]
+                                        [problem.has_addend()]) {
+    if (p.dx.data == nullptr && p.phase != Phase::kPartialSums) {
       discarded_dx.resize(static_cast<std::size_t>(threads) * p.cols() * esize);
     }
   }
@@ -320,6 +344,9 @@ struct BackwardCall {
   const void* x_row(std::int64_t r) const { return advance(p.x.data, r * p.x.row_stride, esize); }
   const void* dy_row(std::int64_t r) const {
     return advance(p.dy.data, r * p.dy.row_stride, esize);
+  }
+  const void* addend_row(std::int64_t r) const {
+    return p.has_addend() ? advance(p.dx_addend.data, r * p.dx_addend.row_stride, esize) : nullptr;
   }
   void* dx_row(std::int64_t r) {
     if (p.dx.data != nullptr) return advance(p.dx.data, r * p.dx.row_stride, esize);
@@ -366,16 +393,33 @@ struct BackwardCall {
     const std::int64_t cols = p.cols();
     RowCoefficients c;
     row_stats(r, &c.mean, &c.rstd);
-    float sum_g_xhat = 0.0f, sum_g = 0.0f;
-    for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
-      float g_xhat, g;
-      dots(r, begin, std::min(kReduceChunk, cols - begin), c.mean, c.rstd, &g_xhat, &g);
-      sum_g_xhat += g_xhat;
-      sum_g += g;
+    if (p.phase == Phase::kFromSums) {
+      c.mean_g = 0.0f;  // RMSNorm only
+      c.mean_g_xhat = mean_of_sum(p.row_sum_g_xhat[r]);
+      return c;
     }
+    float sum_g_xhat = 0.0f, sum_g = 0.0f;
+    row_dots(r, c.mean, c.rstd, &sum_g_xhat, &sum_g);
     c.mean_g = sum_g / static_cast<float>(cols);
-    c.mean_g_xhat = sum_g_xhat / static_cast<float>(cols);
+    c.mean_g_xhat = mean_of_sum(sum_g_xhat);
     return c;
+  }
+
+  // Row r's sums of g * x_hat and g: chunk sums added in chunk order.
+  void row_dots(std::int64_t r, float mean, float rstd, float* sum_g_xhat, float* sum_g) const {
+    *sum_g_xhat = *sum_g = 0.0f;
+    for (std::int64_t begin = 0; begin < p.cols(); begin += kReduceChunk) {
+      float g_xhat, g;
+      dots(r, begin, std::min(kReduceChunk, p.cols() - begin), mean, rstd, &g_xhat, &g);
+      *sum_g_xhat += g_xhat;
+      *sum_g += g;
+    }
+  }
+
+  // mean(g * x_hat) over the whole row: this call's columns, or phase 2's full_cols.
+  float mean_of_sum(float sum_g_xhat) const {
+    const std::int64_t count = p.phase == Phase::kFromSums ? p.full_cols : p.cols();
+    return sum_g_xhat / static_cast<float>(count);
   }
 
   // dx of rows r and r + 1 and their dw / db terms (row r's first), in one pass.
@@ -385,6 +429,7 @@ struct BackwardCall {
     for (int j = 0; j < 2; ++j) {
       rows.dy[j] = dy_row(r + j);
       rows.x[j] = x_row(r + j);
+      rows.dx_addend[j] = addend_row(r + j);
       rows.dx[j] = dx_row(r + j);
       rows.mean[j] = c[j].mean;
       rows.rstd[j] = c[j].rstd;
@@ -396,9 +441,10 @@ struct BackwardCall {
 
   void apply_chunk(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
                    float mean_g, float mean_g_xhat, float* dw_acc, float* db_acc) {
+    const void* addend = p.has_addend() ? advance(addend_row(r), begin, esize) : nullptr;
     apply(advance(dy_row(r), begin, esize), advance(x_row(r), begin, esize),
-          weight.present() ? weight.data() + begin : nullptr, advance(dx_row(r), begin, esize),
-          dw_acc, db_acc, n, mean, rstd, mean_g, mean_g_xhat);
+          weight.present() ? weight.data() + begin : nullptr, addend,
+          advance(dx_row(r), begin, esize), dw_acc, db_acc, n, mean, rstd, mean_g, mean_g_xhat);
   }
 };
 
@@ -466,20 +512,32 @@ void backward_split_rows(BackwardCall& call, int threads) {
   // Recomputing rstd here runs on one thread per row; the usual caller (autograd) passes
   // the rstd saved by the forward.
   for (std::int64_t r = 0; r < rows; ++r) call.row_stats(r, &coef[r].mean, &coef[r].rstd);
-  std::vector<float> g_xhat(static_cast<std::size_t>(rows * chunks)), g(g_xhat.size());
-  parallel_for(threads, rows * chunks, [&](std::int64_t t) {
-    const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
-    call.dots(r, begin, std::min(kReduceChunk, cols - begin), coef[r].mean, coef[r].rstd,
-              &g_xhat[t], &g[t]);
-  });
-  for (std::int64_t r = 0; r < rows; ++r) {
-    float sum_g_xhat = 0.0f, sum_g = 0.0f;
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      sum_g_xhat += g_xhat[r * chunks + c];
-      sum_g += g[r * chunks + c];
+  if (call.p.phase == Phase::kFromSums) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      coef[r].mean_g = 0.0f;
+      coef[r].mean_g_xhat = call.mean_of_sum(call.p.row_sum_g_xhat[r]);
     }
-    coef[r].mean_g = sum_g / static_cast<float>(cols);
-    coef[r].mean_g_xhat = sum_g_xhat / static_cast<float>(cols);
+  } else {
+    std::vector<float> g_xhat(static_cast<std::size_t>(rows * chunks)), g(g_xhat.size());
+    parallel_for(threads, rows * chunks, [&](std::int64_t t) {
+      const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
+      call.dots(r, begin, std::min(kReduceChunk, cols - begin), coef[r].mean, coef[r].rstd,
+                &g_xhat[t], &g[t]);
+    });
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float sum_g_xhat = 0.0f, sum_g = 0.0f;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        sum_g_xhat += g_xhat[r * chunks + c];
+        sum_g += g[r * chunks + c];
+      }
+      if (call.p.phase == Phase::kPartialSums) {
+        call.p.partial_sum_g_xhat[r] = sum_g_xhat;
+        continue;
+      }
+      coef[r].mean_g = sum_g / static_cast<float>(cols);
+      coef[r].mean_g_xhat = call.mean_of_sum(sum_g_xhat);
+    }
+    if (call.p.phase == Phase::kPartialSums) return;
   }
   const RowBlocks blocks = row_blocks(rows);
 #pragma omp parallel num_threads(threads)
@@ -553,6 +611,13 @@ void forward(const ForwardProblem& p, int num_threads) {
     forward_split_rows(call, plan.threads);
     return;
   }
+  if (p.phase == Phase::kPartialSums) {
+    parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
+      p.partial_sum_squares[r] = chunked_sum(
+          p.cols(), [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); });
+    });
+    return;
+  }
   const std::int64_t batch = rows_per_batch(p.cols(), call.esize, call.stream);
   parallel_for(plan.threads, ceil_div(p.rows(), batch), [&](std::int64_t b) {
     forward_rows(call, b * batch, std::min(p.rows(), (b + 1) * batch));
@@ -563,6 +628,21 @@ void backward(const BackwardProblem& p, int num_threads) {
   if (p.rows() == 0) {
     zero_vector(p.dw);
     zero_vector(p.db);
+    return;
+  }
+  if (p.phase == Phase::kPartialSums) {
+    const std::size_t bytes =
+        2 * static_cast<std::size_t>(p.rows() * p.cols()) * dtype_size(p.x.dtype);
+    const ThreadPlan plan = plan_threads(p.rows(), p.cols(), bytes, num_threads);
+    BackwardCall call(p, plan.threads);
+    if (plan.split_rows) {
+      backward_split_rows(call, plan.threads);
+      return;
+    }
+    parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
+      float sum_g;
+      call.row_dots(r, 0.0f, p.rstd[r], &p.partial_sum_g_xhat[r], &sum_g);
+    });
     return;
   }
   const std::size_t needed = backward_workspace_bytes(p.rows(), p.cols());

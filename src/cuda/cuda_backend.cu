@@ -103,6 +103,9 @@ std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
 }
 
 void forward(const char* op, const ForwardProblem& p, void* stream) {
+  if (p.phase != detail::Phase::kWhole) {
+    detail::fail(op, "ctx.device", "the two-phase operators are not implemented on CUDA yet");
+  }
   if (p.rows() == 0) return;
   const ProblemShape shape = problem_shape(
       p.x, {p.x.data, p.residual.data, p.y.data, p.weight.data, p.bias.data},
@@ -135,6 +138,10 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
 }
 
 void backward(const char* op, const BackwardProblem& p, void* stream) {
+  if (p.phase != detail::Phase::kWhole) {
+    detail::fail(op, "ctx.device", "the two-phase operators are not implemented on CUDA yet");
+  }
+  if (p.has_addend()) detail::fail(op, "dx_addend", "not implemented on CUDA yet");
   const auto s = static_cast<cudaStream_t>(stream);
   const bool want_dw = p.dw.data != nullptr;
   const bool want_db = p.db.data != nullptr;
