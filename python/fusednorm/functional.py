@@ -9,7 +9,11 @@ Memory layout: an input whose last dimension is contiguous and whose leading dim
 evenly spaced rows (any contiguous tensor, a slice ``x[:, :k]``, a row-strided view, ...) is
 read in place through its strides. Any other layout (last dimension strided, broadcast
 rows) is first copied to a contiguous tensor: that one copy is the only one made. Outputs
-are always new contiguous tensors.
+are new contiguous tensors, or, with ``out=``, the caller's tensor: it must have x's shape,
+dtype and device; any layout the input path reads without a copy is written in place (any
+other through one staging copy); ``out=x`` works in place; any other overlap with an input
+raises. ``out=`` does not allocate and does not record a gradient (like ``torch``'s own
+``out=`` functions it raises when an input requires grad under grad mode).
 
 Errors (wrong dtype, integer tensors, device mismatch, weight of the wrong length) raise
 RuntimeError with a message naming the operator and the argument, e.g.
@@ -22,6 +26,16 @@ import torch
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "layer_norm"]
 
+# The operator overloads, looked up once: these functions are on the per-call path of
+# decode-sized calls, where each attribute lookup and Python frame shows (measured, see
+# python/README.md "Per-call cost").
+_rms_norm = torch.ops.fusednorm.rms_norm.default
+_rms_norm_out = torch.ops.fusednorm.rms_norm.out
+_fused_add_rms_norm = torch.ops.fusednorm.fused_add_rms_norm.default
+_fused_add_rms_norm_out = torch.ops.fusednorm.fused_add_rms_norm.out
+_layer_norm = torch.ops.fusednorm.layer_norm.default
+_layer_norm_out = torch.ops.fusednorm.layer_norm.out
+
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -32,18 +46,24 @@ def rms_norm(
     weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     weight_offset: float = 0.0,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RMSNorm: ``y = x / sqrt(mean(x**2, -1) + eps) * (weight + weight_offset)``.
 
     ``weight_offset=1.0`` gives Gemma's ``(1 + w)`` with the sum taken in fp32. Without a
     weight, ``y = x * rstd`` and ``weight_offset`` is ignored.
 
-    Differentiable in ``x`` and ``weight``: when a gradient is needed the forward also keeps
-    the per-row fp32 rstd, so the fused backward does not recompute it.
+    Differentiable in ``x`` and ``weight`` (the operator's C++ autograd kernel): when a
+    gradient is needed the forward also keeps the per-row fp32 rstd, so the fused backward
+    does not recompute it.
+
+    ``out``: write y there instead of a new tensor and return it (no gradient).
     """
-    if _needs_grad(x, weight):
-        return torch.ops.fusednorm.rms_norm_fwd(x, weight, eps, weight_offset)[0]
-    return torch.ops.fusednorm.rms_norm(x, weight, eps, weight_offset)
+    if out is None:
+        return _rms_norm(x, weight, eps, weight_offset)
+    _rms_norm_out(x, weight, eps, weight_offset, out=out)
+    return out
 
 
 def fused_add_rms_norm(
@@ -52,6 +72,8 @@ def fused_add_rms_norm(
     weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     weight_offset: float = 0.0,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``residual += x`` in place (rounded to residual's dtype), then return
     ``rms_norm(residual, weight, eps, weight_offset)``, in one pass over memory.
@@ -64,11 +86,17 @@ def fused_add_rms_norm(
     When a gradient is needed (grad mode on and an input requiring grad) this function runs
     the equivalent unfused composite ``residual.add_(x); rms_norm(residual, ...)`` instead,
     so training gets correct gradients (and autograd's usual in-place checks).
+
+    ``out``: write the normalized value there instead of a new tensor and return it (no
+    gradient); ``out=x`` works in place.
     """
+    if out is not None:
+        _fused_add_rms_norm_out(x, residual, weight, eps, weight_offset, out=out)
+        return out
     if _needs_grad(x, residual, weight):
         residual.add_(x)
-        return rms_norm(residual, weight, eps, weight_offset)
-    return torch.ops.fusednorm.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+        return _rms_norm(residual, weight, eps, weight_offset)
+    return _fused_add_rms_norm(x, residual, weight, eps, weight_offset)
 
 
 def layer_norm(
@@ -76,10 +104,15 @@ def layer_norm(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LayerNorm over the last dimension: ``(x - mean) * rstd * weight + bias`` with the
     biased variance, like ``torch.nn.functional.layer_norm(x, (D,), weight, bias, eps)``.
-    Differentiable in ``x``, ``weight`` and ``bias``."""
-    if _needs_grad(x, weight, bias):
-        return torch.ops.fusednorm.layer_norm_fwd(x, weight, bias, eps)[0]
-    return torch.ops.fusednorm.layer_norm(x, weight, bias, eps)
+    Differentiable in ``x``, ``weight`` and ``bias``.
+
+    ``out``: write y there instead of a new tensor and return it (no gradient)."""
+    if out is None:
+        return _layer_norm(x, weight, bias, eps)
+    _layer_norm_out(x, weight, bias, eps, out=out)
+    return out
