@@ -129,9 +129,54 @@ void fused_add_rms_norm(const Context& ctx, ConstMatrix x, Matrix residual, Cons
 // options' eps). dx (nullable data) may be dy itself. dw (nullable data; required to be
 // absent when weight is absent) is the sum over ALL rows of dy * x * rstd, reduced across
 // rows in a fixed order: bit-identical for any thread count.
+//
+// dx_addend (data == nullptr: absent) is added to dx in the same pass: dx = round(norm's dx
+// + dx_addend), the sum taken in fp32. It has dy's dtype and shape and any row stride, and
+// may be dx itself or dy itself (accumulate in place) but must not otherwise overlap dx.
+// The fused add's backward: dx then serves as the gradient of both x and residual, given
+// the gradient reaching residual_out as the addend. Requires dx.
 void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
                        const float* rstd, Matrix dx, Vector dw, const RmsNormOptions& options = {},
-                       Workspace workspace = {});
+                       Workspace workspace = {}, ConstMatrix dx_addend = {});
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm in two phases, for a row whose columns are split across devices or processes (the
+// tensor-parallel layout): each holds a column slice of x (and of weight, dy, dx, dw); the
+// caller sums the per-row fp32 partials of phase 1 over the slices (an all-reduce) and hands
+// the totals to phase 2. full_cols is the whole row's length D (>= the slice's cols).
+// With one slice (full_cols == cols), phase 1 then phase 2 give the same bits as the
+// one-call operator on the CPU.
+
+// row_sum_squares[r] = sum_j x[r, j]^2 over this slice (fp32, the forward's chunked order).
+void rms_norm_partial_sum_squares(const Context& ctx, ConstMatrix x, float* row_sum_squares);
+
+// residual <- x + residual (rounded to the residual's dtype), and row_sum_squares of the
+// stored residual: phase 1 of fused_add_rms_norm (its phase 2 is rms_norm_from_sum_squares
+// on the residual).
+void fused_add_partial_sum_squares(const Context& ctx, ConstMatrix x, Matrix residual,
+                                   float* row_sum_squares);
+
+// rms_norm given the whole row's sum of squares: rstd[r] = 1 / sqrt(row_sum_squares[r] /
+// full_cols + eps), computed exactly as rms_norm computes it; y = x * rstd * (w + offset)
+// on this slice. rstd (nullable) receives one fp32 per row.
+void rms_norm_from_sum_squares(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y,
+                               const float* row_sum_squares, std::int64_t full_cols, float* rstd,
+                               const RmsNormOptions& options = {});
+
+// Backward phase 1: row_sum_g_xhat[r] = sum_j g * x_hat over this slice, with g = dy * (w +
+// offset) and x_hat = x * rstd. rstd is required (the forward's, or phase 2's output).
+void rms_norm_backward_partial_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                    ConstVector weight, const float* rstd, float* row_sum_g_xhat,
+                                    const RmsNormOptions& options = {});
+
+// Backward phase 2: rms_norm_backward with mean(g * x_hat) = row_sum_g_xhat / full_cols
+// from the reduced phase-1 sums; dw is this slice's columns (summed over this call's rows).
+// Arguments otherwise as rms_norm_backward's (rstd required).
+void rms_norm_backward_from_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                 ConstVector weight, const float* rstd, const float* row_sum_g_xhat,
+                                 std::int64_t full_cols, Matrix dx, Vector dw,
+                                 const RmsNormOptions& options = {}, Workspace workspace = {},
+                                 ConstMatrix dx_addend = {});
 
 // ---------------------------------------------------------------------------------------
 // LayerNorm
@@ -148,6 +193,43 @@ void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVect
 void layer_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
                          const float* mean, const float* rstd, Matrix dx, Vector dw, Vector db,
                          const LayerNormOptions& options = {}, Workspace workspace = {});
+
+// LayerNorm in phases, for column-sliced rows as RMSNorm's above (sums fp32, one per row,
+// added over the slices by the caller between phases; full_cols the whole row's D). The
+// forward needs two reductions: the sums of x, then the squared deviations from the whole
+// row's mean (row_sum / full_cols). With one slice the phases give the one-call bits on
+// the CPU.
+
+// row_sum[r] = sum_j x[r, j] over this slice.
+void layer_norm_partial_sums(const Context& ctx, ConstMatrix x, float* row_sum);
+
+// row_sum_squared_deviations[r] = sum_j (x[r, j] - mean[r])^2 over this slice, with mean[r]
+// = row_sum[r] / full_cols from the whole row's sums.
+void layer_norm_partial_squared_deviations(const Context& ctx, ConstMatrix x, const float* row_sum,
+                                           std::int64_t full_cols,
+                                           float* row_sum_squared_deviations);
+
+// layer_norm given the whole row's sums: mean = row_sum / full_cols, rstd = 1 / sqrt(
+// row_sum_squared_deviations / full_cols + eps), exactly as layer_norm computes them; y on
+// this slice (weight, bias: the slice's). mean and rstd (nullable) receive one fp32 per row.
+void layer_norm_from_sums(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias,
+                          Matrix y, const float* row_sum, const float* row_sum_squared_deviations,
+                          std::int64_t full_cols, float* mean, float* rstd,
+                          const LayerNormOptions& options = {});
+
+// Backward phase 1: row_sum_g[r] = sum_j g and row_sum_g_xhat[r] = sum_j g * x_hat over this
+// slice (g = dy * w, x_hat = (x - mean) * rstd). mean and rstd are required.
+void layer_norm_backward_partial_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                      ConstVector weight, const float* mean, const float* rstd,
+                                      float* row_sum_g, float* row_sum_g_xhat);
+
+// Backward phase 2: layer_norm_backward with mean(g) and mean(g * x_hat) from the whole
+// row's phase-1 sums over full_cols; dw / db are this slice's columns. mean, rstd required.
+void layer_norm_backward_from_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                   ConstVector weight, const float* mean, const float* rstd,
+                                   const float* row_sum_g, const float* row_sum_g_xhat,
+                                   std::int64_t full_cols, Matrix dx, Vector dw, Vector db,
+                                   const LayerNormOptions& options = {}, Workspace workspace = {});
 
 // Scratch bytes the backward operators need for a rows x cols problem on ctx's device.
 std::size_t backward_workspace_bytes(const Context& ctx, std::int64_t rows, std::int64_t cols);

@@ -34,10 +34,17 @@ ForwardResult fused_add_rms_norm(ConstMatrix x, ConstMatrix residual, ConstVecto
 ForwardResult layer_norm(ConstMatrix x, ConstVector weight, ConstVector bias,
                          const LayerNormOptions& options = {});
 
-// rstd / mean are recomputed in fp64 from x.
+// rstd / mean are recomputed in fp64 from x. dx_addend (nullable data) is added to dx (the
+// fused add's backward); dx_scale then also covers max |dx_addend| of the row.
 BackwardResult rms_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight,
-                                 const RmsNormOptions& options = {});
+                                 const RmsNormOptions& options = {}, ConstMatrix dx_addend = {});
 BackwardResult layer_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight, bool want_db,
                                    const LayerNormOptions& options = {});
+
+// The two-phase (column-sliced) RMSNorm's phase-1 sums, per row: sum of x^2, and sum of
+// g * x_hat with g = dy * (w + offset), x_hat = x * rstd[r] (rstd given as the library's fp32).
+std::vector<double> row_sum_squares(ConstMatrix x);
+std::vector<double> row_sum_g_xhat(ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                                   const float* rstd, const RmsNormOptions& options = {});
 
 }  // namespace fusednorm::reference

@@ -91,10 +91,8 @@ void run(const char* op, const Context& ctx, const BackwardProblem& problem) {
 #endif
 }
 
-}  // namespace
-
-void rms_norm(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y, float* rstd,
-              const RmsNormOptions& options) {
+ForwardProblem rms_forward_problem(ConstMatrix x, ConstVector weight, Matrix y, float* rstd,
+                                   const RmsNormOptions& options) {
   ForwardProblem p;
   p.kind = NormKind::kRms;
   p.x = x;
@@ -103,29 +101,13 @@ void rms_norm(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y, f
   p.rstd = rstd;
   p.eps = options.eps;
   p.weight_offset = options.weight_offset;
-  run("rms_norm", ctx, p);
+  return p;
 }
 
-void fused_add_rms_norm(const Context& ctx, ConstMatrix x, Matrix residual, ConstVector weight,
-                        Matrix y, float* rstd, const RmsNormOptions& options) {
-  if (residual.data == nullptr && x.rows > 0) {
-    detail::fail("fused_add_rms_norm", "residual", "data is null but rows > 0");
-  }
-  ForwardProblem p;
-  p.kind = NormKind::kRms;
-  p.x = x;
-  p.residual = residual;
-  p.weight = weight;
-  p.y = y;
-  p.rstd = rstd;
-  p.eps = options.eps;
-  p.weight_offset = options.weight_offset;
-  run("fused_add_rms_norm", ctx, p);
-}
-
-void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
-                       const float* rstd, Matrix dx, Vector dw, const RmsNormOptions& options,
-                       Workspace workspace) {
+BackwardProblem rms_backward_problem(ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                                     const float* rstd, Matrix dx, Vector dw,
+                                     const RmsNormOptions& options, Workspace workspace,
+                                     ConstMatrix dx_addend) {
   BackwardProblem p;
   p.kind = NormKind::kRms;
   p.dy = dy;
@@ -133,11 +115,87 @@ void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstV
   p.weight = weight;
   p.rstd = rstd;
   p.dx = dx;
+  p.dx_addend = dx_addend;
   p.dw = dw;
   p.eps = options.eps;
   p.weight_offset = options.weight_offset;
   p.workspace = workspace;
-  run("rms_norm_backward", ctx, p);
+  return p;
+}
+
+}  // namespace
+
+void rms_norm(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y, float* rstd,
+              const RmsNormOptions& options) {
+  run("rms_norm", ctx, rms_forward_problem(x, weight, y, rstd, options));
+}
+
+void fused_add_rms_norm(const Context& ctx, ConstMatrix x, Matrix residual, ConstVector weight,
+                        Matrix y, float* rstd, const RmsNormOptions& options) {
+  if (residual.data == nullptr && x.rows > 0) {
+    detail::fail("fused_add_rms_norm", "residual", "data is null but rows > 0");
+  }
+  ForwardProblem p = rms_forward_problem(x, weight, y, rstd, options);
+  p.residual = residual;
+  run("fused_add_rms_norm", ctx, p);
+}
+
+void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                       const float* rstd, Matrix dx, Vector dw, const RmsNormOptions& options,
+                       Workspace workspace, ConstMatrix dx_addend) {
+  run("rms_norm_backward", ctx,
+      rms_backward_problem(dy, x, weight, rstd, dx, dw, options, workspace, dx_addend));
+}
+
+void rms_norm_partial_sum_squares(const Context& ctx, ConstMatrix x, float* row_sum_squares) {
+  ForwardProblem p = rms_forward_problem(x, {}, {}, nullptr, {});
+  p.phase = detail::Phase::kPartialSums;
+  p.partial_sums = row_sum_squares;
+  run("rms_norm_partial_sum_squares", ctx, p);
+}
+
+void fused_add_partial_sum_squares(const Context& ctx, ConstMatrix x, Matrix residual,
+                                   float* row_sum_squares) {
+  if (residual.data == nullptr && x.rows > 0) {
+    detail::fail("fused_add_partial_sum_squares", "residual", "data is null but rows > 0");
+  }
+  ForwardProblem p = rms_forward_problem(x, {}, {}, nullptr, {});
+  p.residual = residual;
+  p.phase = detail::Phase::kPartialSums;
+  p.partial_sums = row_sum_squares;
+  run("fused_add_partial_sum_squares", ctx, p);
+}
+
+void rms_norm_from_sum_squares(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y,
+                               const float* row_sum_squares, std::int64_t full_cols, float* rstd,
+                               const RmsNormOptions& options) {
+  ForwardProblem p = rms_forward_problem(x, weight, y, rstd, options);
+  p.phase = detail::Phase::kFromSums;
+  p.row_sum_squares = row_sum_squares;
+  p.full_cols = full_cols;
+  run("rms_norm_from_sum_squares", ctx, p);
+}
+
+void rms_norm_backward_partial_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                    ConstVector weight, const float* rstd, float* row_sum_g_xhat,
+                                    const RmsNormOptions& options) {
+  BackwardProblem p = rms_backward_problem(dy, x, weight, rstd, {}, {}, options, {}, {});
+  p.phase = detail::Phase::kPartialSums;
+  p.partial_sum_g_xhat = row_sum_g_xhat;
+  run("rms_norm_backward_partial_sums", ctx, p);
+}
+
+void rms_norm_backward_from_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                 ConstVector weight, const float* rstd, const float* row_sum_g_xhat,
+                                 std::int64_t full_cols, Matrix dx, Vector dw,
+                                 const RmsNormOptions& options, Workspace workspace,
+                                 ConstMatrix dx_addend) {
+  BackwardProblem p =
+      rms_backward_problem(dy, x, weight, rstd, dx, dw, options, workspace, dx_addend);
+  p.phase = detail::Phase::kFromSums;
+  p.row_sum_g_xhat = row_sum_g_xhat;
+  p.full_cols = full_cols;
+  run("rms_norm_backward_from_sums", ctx, p);
 }
 
 void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias, Matrix y,
@@ -152,6 +210,89 @@ void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVect
   p.rstd = rstd;
   p.eps = options.eps;
   run("layer_norm", ctx, p);
+}
+
+void layer_norm_partial_sums(const Context& ctx, ConstMatrix x, float* row_sum) {
+  ForwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.x = x;
+  p.phase = detail::Phase::kPartialSums;
+  p.partial_sums = row_sum;
+  run("layer_norm_partial_sums", ctx, p);
+}
+
+void layer_norm_partial_squared_deviations(const Context& ctx, ConstMatrix x, const float* row_sum,
+                                           std::int64_t full_cols,
+                                           float* row_sum_squared_deviations) {
+  ForwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.x = x;
+  p.phase = detail::Phase::kPartialDeviations;
+  p.row_sum = row_sum;
+  p.full_cols = full_cols;
+  p.partial_sums = row_sum_squared_deviations;
+  run("layer_norm_partial_squared_deviations", ctx, p);
+}
+
+void layer_norm_from_sums(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias,
+                          Matrix y, const float* row_sum, const float* row_sum_squared_deviations,
+                          std::int64_t full_cols, float* mean, float* rstd,
+                          const LayerNormOptions& options) {
+  ForwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.x = x;
+  p.weight = weight;
+  p.bias = bias;
+  p.y = y;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.eps = options.eps;
+  p.phase = detail::Phase::kFromSums;
+  p.row_sum = row_sum;
+  p.row_sum_squared_deviations = row_sum_squared_deviations;
+  p.full_cols = full_cols;
+  run("layer_norm_from_sums", ctx, p);
+}
+
+void layer_norm_backward_partial_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                      ConstVector weight, const float* mean, const float* rstd,
+                                      float* row_sum_g, float* row_sum_g_xhat) {
+  BackwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.dy = dy;
+  p.x = x;
+  p.weight = weight;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.eps = LayerNormOptions{}.eps;  // unused: the statistics are given
+  p.phase = detail::Phase::kPartialSums;
+  p.partial_sum_g = row_sum_g;
+  p.partial_sum_g_xhat = row_sum_g_xhat;
+  run("layer_norm_backward_partial_sums", ctx, p);
+}
+
+void layer_norm_backward_from_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                   ConstVector weight, const float* mean, const float* rstd,
+                                   const float* row_sum_g, const float* row_sum_g_xhat,
+                                   std::int64_t full_cols, Matrix dx, Vector dw, Vector db,
+                                   const LayerNormOptions& options, Workspace workspace) {
+  BackwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.dy = dy;
+  p.x = x;
+  p.weight = weight;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.dx = dx;
+  p.dw = dw;
+  p.db = db;
+  p.eps = options.eps;
+  p.workspace = workspace;
+  p.phase = detail::Phase::kFromSums;
+  p.row_sum_g = row_sum_g;
+  p.row_sum_g_xhat = row_sum_g_xhat;
+  p.full_cols = full_cols;
+  run("layer_norm_backward_from_sums", ctx, p);
 }
 
 void layer_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,

@@ -8,6 +8,12 @@ namespace fusednorm::detail {
 
 enum class NormKind { kRms, kLayer };
 
+// Which part of an operator a call runs (see fusednorm.h's phased operators): the whole
+// operator; phase 1 (per-row partial sums of a column slice, nothing else; LayerNorm's
+// forward has two: the sums of x, then the squared deviations from the whole row's mean); or
+// phase 2 (the rest, given the whole row's sums over full_cols columns).
+enum class Phase { kWhole, kPartialSums, kPartialDeviations, kFromSums };
+
 struct ForwardProblem {
   NormKind kind = NormKind::kRms;
   ConstMatrix x;
@@ -19,6 +25,17 @@ struct ForwardProblem {
   float* rstd = nullptr;
   float eps = 0.0f;
   float weight_offset = 0.0f;  // RMSNorm only
+  Phase phase = Phase::kWhole;
+  // Phase 1's output, per row: RMSNorm's sum of squares, LayerNorm's sum of x
+  // (kPartialSums) or of squared deviations from the row's mean (kPartialDeviations).
+  float* partial_sums = nullptr;
+  // Over the whole row (full_cols columns), per row: RMSNorm's sum of squares (kFromSums);
+  // LayerNorm's sum of x (kPartialDeviations, kFromSums) and sum of squared deviations
+  // (kFromSums).
+  const float* row_sum_squares = nullptr;
+  const float* row_sum = nullptr;
+  const float* row_sum_squared_deviations = nullptr;
+  std::int64_t full_cols = 0;
 
   bool has_residual() const { return residual.data != nullptr; }
   std::int64_t rows() const { return x.rows; }
@@ -33,11 +50,22 @@ struct BackwardProblem {
   const float* mean = nullptr;  // LayerNorm only
   const float* rstd = nullptr;
   Matrix dx;
+  ConstMatrix dx_addend;  // RMSNorm only; nullable: dx = norm's dx + dx_addend
   Vector dw;
   Vector db;  // LayerNorm only
   float eps = 0.0f;
   float weight_offset = 0.0f;
   Workspace workspace;
+  Phase phase = Phase::kWhole;
+  // kPartialSums: per row, sum of g * x_hat and (LayerNorm) sum of g over the slice.
+  float* partial_sum_g_xhat = nullptr;
+  float* partial_sum_g = nullptr;
+  // kFromSums: the same sums over the whole row of full_cols columns.
+  const float* row_sum_g_xhat = nullptr;
+  const float* row_sum_g = nullptr;
+  std::int64_t full_cols = 0;
+
+  bool has_addend() const { return dx_addend.data != nullptr; }
 
   std::int64_t rows() const { return x.rows; }
   std::int64_t cols() const { return x.cols; }

@@ -113,12 +113,69 @@ bool same_view(const ConstMatrix& a, const ConstMatrix& b) {
   return a.data == b.data && a.row_stride == b.row_stride;
 }
 
+// Phase 2's whole-row length: at least this slice's.
+void check_full_cols(const char* op, std::int64_t full_cols, const ConstMatrix& x) {
+  if (full_cols < x.cols) {
+    fail(op, "full_cols",
+         std::to_string(full_cols) + " is smaller than the slice's D = " + std::to_string(x.cols));
+  }
+}
+
+// A per-row fp32 array the call cannot do without.
+void check_required_rows(const char* op, const char* name, const float* data, std::int64_t rows) {
+  if (data == nullptr && rows > 0) fail(op, name, "is null but rows > 0 (required)");
+}
+
+// Phase 1 of the forward: x (and residual), the sums out (LayerNorm's deviations: and the
+// whole row's sums in), nothing else.
+void validate_partial_sums(const char* op, const ForwardProblem& p) {
+  check_matrix(op, "x", p.x);
+  if (p.has_residual()) check_same_shape(op, "residual", p.residual, p.x);
+  const char* out_name = p.kind == NormKind::kRms               ? "row_sum_squares"
+                         : p.phase == Phase::kPartialDeviations ? "row_sum_squared_deviations"
+                                                                : "row_sum";
+  check_required_rows(op, out_name, p.partial_sums, p.rows());
+  const ByteRange sums = float_range(p.partial_sums, p.rows());
+  check_no_overlap(op, out_name, sums, "x", byte_range(p.x));
+  if (p.has_residual()) {
+    const ByteRange residual = byte_range(p.residual);
+    check_no_overlap(op, "residual", residual, "x", byte_range(p.x));
+    check_no_overlap(op, out_name, sums, "residual", residual);
+  }
+  if (p.phase == Phase::kPartialDeviations) {
+    check_required_rows(op, "row_sum", p.row_sum, p.rows());
+    check_full_cols(op, p.full_cols, p.x);
+    check_no_overlap(op, out_name, sums, "row_sum", float_range(p.row_sum, p.rows()));
+  }
+}
+
 }  // namespace
 
 void validate(const char* op, const ForwardProblem& p) {
+  if (p.phase == Phase::kPartialSums || p.phase == Phase::kPartialDeviations) {
+    validate_partial_sums(op, p);
+    return;
+  }
   check_matrix(op, "x", p.x);
   if (p.has_residual()) check_same_shape(op, "residual", p.residual, p.x);
   check_same_shape(op, "y", p.y, p.x);
+  if (p.phase == Phase::kFromSums) {
+    check_full_cols(op, p.full_cols, p.x);
+    const std::pair<const char*, const float*> sums[] = {
+        {"row_sum_squares", p.row_sum_squares},
+        {"row_sum", p.row_sum},
+        {"row_sum_squared_deviations", p.row_sum_squared_deviations}};
+    for (int i = 0; i < 3; ++i) {
+      const auto& [name, data] = sums[i];
+      if ((p.kind == NormKind::kRms) != (i == 0))
+        continue;  // RMSNorm: the first; LayerNorm: the others
+      check_required_rows(op, name, data, p.rows());
+      const ByteRange in = float_range(data, p.rows());
+      check_no_overlap(op, "y", byte_range(p.y), name, in);
+      check_no_overlap(op, "rstd", float_range(p.rstd, p.rows()), name, in);
+      check_no_overlap(op, "mean", float_range(p.mean, p.rows()), name, in);
+    }
+  }
   check_vector(op, "weight", p.weight, p.x);
   check_vector(op, "bias", p.bias, p.x);
   check_eps(op, p.eps);
@@ -152,6 +209,45 @@ void validate(const char* op, const BackwardProblem& p) {
   check_matrix(op, "x", p.x);
   check_same_shape(op, "dy", p.dy, p.x);
   if (p.dx.data != nullptr) check_same_shape(op, "dx", p.dx, p.x);
+  const bool centered = p.kind == NormKind::kLayer;
+  if (p.phase != Phase::kWhole) {
+    // The statistics are the whole row's: they cannot be recomputed from a slice.
+    if (centered) check_required_rows(op, "mean", p.mean, p.rows());
+    check_required_rows(op, "rstd", p.rstd, p.rows());
+  }
+  if (p.phase == Phase::kPartialSums) {
+    check_vector(op, "weight", p.weight, p.x);
+    check_eps(op, p.eps);
+    if (!std::isfinite(p.weight_offset)) fail(op, "weight_offset", "must be finite");
+    check_required_rows(op, "row_sum_g_xhat", p.partial_sum_g_xhat, p.rows());
+    if (centered) check_required_rows(op, "row_sum_g", p.partial_sum_g, p.rows());
+    const ByteRange g_xhat = float_range(p.partial_sum_g_xhat, p.rows());
+    const ByteRange g = float_range(p.partial_sum_g, p.rows());
+    for (const auto& [name, range] :
+         {std::pair{"dy", byte_range(p.dy)}, std::pair{"x", byte_range(p.x)},
+          std::pair{"weight", byte_range(p.weight)},
+          std::pair{"mean", float_range(p.mean, p.rows())},
+          std::pair{"rstd", float_range(p.rstd, p.rows())}}) {
+      check_no_overlap(op, "row_sum_g_xhat", g_xhat, name, range);
+      check_no_overlap(op, "row_sum_g", g, name, range);
+    }
+    check_no_overlap(op, "row_sum_g", g, "row_sum_g_xhat", g_xhat);
+    return;
+  }
+  if (p.phase == Phase::kFromSums) {
+    check_required_rows(op, "row_sum_g_xhat", p.row_sum_g_xhat, p.rows());
+    if (centered) check_required_rows(op, "row_sum_g", p.row_sum_g, p.rows());
+    check_full_cols(op, p.full_cols, p.x);
+  }
+  if (p.has_addend()) {
+    check_same_shape(op, "dx_addend", p.dx_addend, p.x);
+    if (p.dx.data == nullptr) fail(op, "dx_addend", "given, but dx is absent");
+    // In place (the addend is dx's own view) is fine: each element is read before it is
+    // written. The addend may also be dy's view (dx then may or may not be dy too).
+    if (!same_view(p.dx_addend, p.dx)) {
+      check_no_overlap(op, "dx", byte_range(p.dx), "dx_addend", byte_range(p.dx_addend));
+    }
+  }
   check_vector(op, "weight", p.weight, p.x);
   check_vector(op, "dw", p.dw, p.x);
   check_vector(op, "db", p.db, p.x);
@@ -176,6 +272,8 @@ void validate(const char* op, const BackwardProblem& p) {
       {"weight", byte_range(p.weight)},
       {"mean", float_range(p.mean, p.rows())},
       {"rstd", float_range(p.rstd, p.rows())},
+      {"row_sum_g_xhat", float_range(p.row_sum_g_xhat, p.rows())},
+      {"row_sum_g", float_range(p.row_sum_g, p.rows())},
   };
   const std::pair<const char*, ByteRange> outputs[] = {
       {"dx", dx}, {"dw", dw}, {"db", db}, {"workspace", workspace}};
@@ -186,6 +284,7 @@ void validate(const char* op, const BackwardProblem& p) {
        {std::pair{"dw", dw}, std::pair{"db", db}, std::pair{"workspace", workspace}}) {
     check_no_overlap(op, name, range, "dy", byte_range(p.dy));
     check_no_overlap(op, name, range, "dx", dx);
+    check_no_overlap(op, name, range, "dx_addend", byte_range(p.dx_addend));
   }
   check_no_overlap(op, "db", db, "dw", dw);
   check_no_overlap(op, "workspace", workspace, "dw", dw);

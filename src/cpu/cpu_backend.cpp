@@ -20,6 +20,7 @@ namespace {
 using detail::BackwardProblem;
 using detail::ForwardProblem;
 using detail::NormKind;
+using detail::Phase;
 
 // Below this many bytes per thread, waking another thread costs more than it saves.
 constexpr std::size_t kMinBytesPerThread = 256 * 1024;
@@ -219,6 +220,31 @@ struct ForwardCall {
     // (dtype_size is an out-of-line call; this runs once per row.)
     return v.data == nullptr ? nullptr : advance(v.data, begin, v.dtype == DType::kFloat32 ? 4 : 2);
   }
+  // Row r's statistics: from the whole row's sums (phase 2 of a phased call), else
+  // computed from the row; the same arithmetic as compute_row_stats.
+  RowStats row_stats(std::int64_t r) const {
+    if (p.phase == Phase::kFromSums) {
+      const auto count = static_cast<float>(p.full_cols);
+      if (!centered) return {0.0f, rstd_from_mean_square(p.row_sum_squares[r] / count, p.eps)};
+      return {p.row_sum[r] / count,
+              rstd_from_mean_square(p.row_sum_squared_deviations[r] / count, p.eps)};
+    }
+    return compute_row_stats(
+        p.cols(), centered, p.eps,
+        [&](std::int64_t b, std::int64_t n) { return first_stat(r, b, n); },
+        [&](std::int64_t b, std::int64_t n, float m) { return centered_stat(r, b, n, m); });
+  }
+  // Phase 1's sum over row r's slice: the first statistic (kPartialSums), or LayerNorm's
+  // squared deviations from the whole row's mean (kPartialDeviations); chunked as always.
+  float partial_sum(std::int64_t r) const {
+    if (p.phase == Phase::kPartialDeviations) {
+      const float mean = p.row_sum[r] / static_cast<float>(p.full_cols);
+      return chunked_sum(
+          p.cols(), [&](std::int64_t b, std::int64_t n) { return centered_stat(r, b, n, mean); });
+    }
+    return chunked_sum(p.cols(),
+                       [&](std::int64_t b, std::int64_t n) { return first_stat(r, b, n); });
+  }
   void store_stats(std::int64_t r, float mean, float rstd) const {
     if (p.rstd != nullptr) p.rstd[r] = rstd;
     if (p.mean != nullptr) p.mean[r] = mean;
@@ -230,14 +256,7 @@ struct ForwardCall {
 // switch between a read phase and a streamed write phase is not free.
 void forward_rows(const ForwardCall& call, std::int64_t begin, std::int64_t end) {
   RowStats stats[kMaxBatchRows];
-  for (std::int64_t r = begin; r < end; ++r) {
-    stats[r - begin] = compute_row_stats(
-        call.p.cols(), call.centered, call.p.eps,
-        [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); },
-        [&](std::int64_t b, std::int64_t n, float mean) {
-          return call.centered_stat(r, b, n, mean);
-        });
-  }
+  for (std::int64_t r = begin; r < end; ++r) stats[r - begin] = call.row_stats(r);
   for (std::int64_t r = begin; r < end; ++r) {
     const RowStats& s = stats[r - begin];
     call.normalize(r, 0, call.p.cols(), s.mean, s.rstd);
@@ -273,6 +292,19 @@ void forward_split_rows(const ForwardCall& call, int threads) {
     }
   };
 
+  if (call.p.phase == Phase::kFromSums) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const RowStats s = call.row_stats(r);
+      mean[r] = s.mean;
+      rstd[r] = s.rstd;
+      call.store_stats(r, mean[r], rstd[r]);
+    }
+    parallel_for(threads, rows * chunks, [&](std::int64_t t) {
+      const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
+      call.normalize(r, begin, std::min(kReduceChunk, cols - begin), mean[r], rstd[r]);
+    });
+    return;
+  }
   reduce([&](std::int64_t r, std::int64_t begin, std::int64_t n) {
     return call.first_stat(r, begin, n);
   });
@@ -301,7 +333,8 @@ void forward_split_rows(const ForwardCall& call, int threads) {
 constexpr std::int64_t kShortRowsPerTask = 64;
 constexpr std::size_t kStagingBytes = 16 * 1024;
 bool use_short_rows(const ForwardCall& call) {
-  return !call.centered && call.p.cols() <= kMaxShortRow;
+  // The phased calls take the one-row path (the short-row kernel computes its own stats).
+  return !call.centered && call.p.cols() <= kMaxShortRow && call.p.phase == Phase::kWhole;
 }
 void forward_short_rows(const ForwardCall& call, int threads) {
   const ForwardProblem& p = call.p;
@@ -370,9 +403,11 @@ struct BackwardCall {
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),
         stream(stream_output(problem.rows(), problem.cols(), problem.x.dtype)),
-        apply(k.backward_apply[stream][centered][weight.present()][want_dw][want_db]),
-        apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]) {
-    if (p.dx.data == nullptr) {
+        apply(k.backward_apply[stream][centered][weight.present()][want_dw][want_db]
+                              [problem.has_addend()]),
+        apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]
+                                        [problem.has_addend()]) {
+    if (p.dx.data == nullptr && p.phase != Phase::kPartialSums) {
       discarded_dx.resize(static_cast<std::size_t>(threads) * p.cols() * esize);
     }
   }
@@ -380,6 +415,9 @@ struct BackwardCall {
   const void* x_row(std::int64_t r) const { return advance(p.x.data, r * p.x.row_stride, esize); }
   const void* dy_row(std::int64_t r) const {
     return advance(p.dy.data, r * p.dy.row_stride, esize);
+  }
+  const void* addend_row(std::int64_t r) const {
+    return p.has_addend() ? advance(p.dx_addend.data, r * p.dx_addend.row_stride, esize) : nullptr;
   }
   void* dx_row(std::int64_t r) {
     if (p.dx.data != nullptr) return advance(p.dx.data, r * p.dx.row_stride, esize);
@@ -423,19 +461,41 @@ struct BackwardCall {
 
   // Row r's coefficients: its statistics, then its dots, chunk sums added in chunk order.
   RowCoefficients coefficients(std::int64_t r) const {
-    const std::int64_t cols = p.cols();
     RowCoefficients c;
     row_stats(r, &c.mean, &c.rstd);
-    float sum_g_xhat = 0.0f, sum_g = 0.0f;
-    for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
-      float g_xhat, g;
-      dots(r, begin, std::min(kReduceChunk, cols - begin), c.mean, c.rstd, &g_xhat, &g);
-      sum_g_xhat += g_xhat;
-      sum_g += g;
+    if (p.phase == Phase::kFromSums) {
+      sums_from_phase1(r, &c);
+      return c;
     }
-    c.mean_g = sum_g / static_cast<float>(cols);
-    c.mean_g_xhat = sum_g_xhat / static_cast<float>(cols);
+    float sum_g_xhat = 0.0f, sum_g = 0.0f;
+    row_dots(r, c.mean, c.rstd, &sum_g_xhat, &sum_g);
+    c.mean_g = mean_of_sum(sum_g);
+    c.mean_g_xhat = mean_of_sum(sum_g_xhat);
     return c;
+  }
+
+  // Phase 2: the row means of g and g * x_hat from the whole row's phase-1 sums.
+  void sums_from_phase1(std::int64_t r, RowCoefficients* c) const {
+    c->mean_g = centered ? mean_of_sum(p.row_sum_g[r]) : 0.0f;
+    c->mean_g_xhat = mean_of_sum(p.row_sum_g_xhat[r]);
+  }
+
+  // Row r's sums of g * x_hat and g: chunk sums added in chunk order.
+  void row_dots(std::int64_t r, float mean, float rstd, float* sum_g_xhat, float* sum_g) const {
+    *sum_g_xhat = *sum_g = 0.0f;
+    for (std::int64_t begin = 0; begin < p.cols(); begin += kReduceChunk) {
+      float g_xhat, g;
+      dots(r, begin, std::min(kReduceChunk, p.cols() - begin), mean, rstd, &g_xhat, &g);
+      *sum_g_xhat += g_xhat;
+      *sum_g += g;
+    }
+  }
+
+  // A row mean (of g or g * x_hat) from its sum: over this call's columns, or phase 2's
+  // full_cols.
+  float mean_of_sum(float sum_g_xhat) const {
+    const std::int64_t count = p.phase == Phase::kFromSums ? p.full_cols : p.cols();
+    return sum_g_xhat / static_cast<float>(count);
   }
 
   // dx of rows r and r + 1 and their dw / db terms (row r's first), in one pass.
@@ -445,6 +505,7 @@ struct BackwardCall {
     for (int j = 0; j < 2; ++j) {
       rows.dy[j] = dy_row(r + j);
       rows.x[j] = x_row(r + j);
+      rows.dx_addend[j] = addend_row(r + j);
       rows.dx[j] = dx_row(r + j);
       rows.mean[j] = c[j].mean;
       rows.rstd[j] = c[j].rstd;
@@ -456,9 +517,10 @@ struct BackwardCall {
 
   void apply_chunk(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
                    float mean_g, float mean_g_xhat, float* dw_acc, float* db_acc) {
+    const void* addend = p.has_addend() ? advance(addend_row(r), begin, esize) : nullptr;
     apply(advance(dy_row(r), begin, esize), advance(x_row(r), begin, esize),
-          weight.present() ? weight.data() + begin : nullptr, advance(dx_row(r), begin, esize),
-          dw_acc, db_acc, n, mean, rstd, mean_g, mean_g_xhat);
+          weight.present() ? weight.data() + begin : nullptr, addend,
+          advance(dx_row(r), begin, esize), dw_acc, db_acc, n, mean, rstd, mean_g, mean_g_xhat);
   }
 };
 
@@ -526,20 +588,24 @@ void backward_split_rows(BackwardCall& call, int threads) {
   // Recomputing rstd here runs on one thread per row; the usual caller (autograd) passes
   // the rstd saved by the forward.
   for (std::int64_t r = 0; r < rows; ++r) call.row_stats(r, &coef[r].mean, &coef[r].rstd);
-  std::vector<float> g_xhat(static_cast<std::size_t>(rows * chunks)), g(g_xhat.size());
-  parallel_for(threads, rows * chunks, [&](std::int64_t t) {
-    const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
-    call.dots(r, begin, std::min(kReduceChunk, cols - begin), coef[r].mean, coef[r].rstd,
-              &g_xhat[t], &g[t]);
-  });
-  for (std::int64_t r = 0; r < rows; ++r) {
-    float sum_g_xhat = 0.0f, sum_g = 0.0f;
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      sum_g_xhat += g_xhat[r * chunks + c];
-      sum_g += g[r * chunks + c];
+  if (call.p.phase == Phase::kFromSums) {
+    for (std::int64_t r = 0; r < rows; ++r) call.sums_from_phase1(r, &coef[r]);
+  } else {
+    std::vector<float> g_xhat(static_cast<std::size_t>(rows * chunks)), g(g_xhat.size());
+    parallel_for(threads, rows * chunks, [&](std::int64_t t) {
+      const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
+      call.dots(r, begin, std::min(kReduceChunk, cols - begin), coef[r].mean, coef[r].rstd,
+                &g_xhat[t], &g[t]);
+    });
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float sum_g_xhat = 0.0f, sum_g = 0.0f;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        sum_g_xhat += g_xhat[r * chunks + c];
+        sum_g += g[r * chunks + c];
+      }
+      coef[r].mean_g = call.mean_of_sum(sum_g);
+      coef[r].mean_g_xhat = call.mean_of_sum(sum_g_xhat);
     }
-    coef[r].mean_g = sum_g / static_cast<float>(cols);
-    coef[r].mean_g_xhat = sum_g_xhat / static_cast<float>(cols);
   }
   const RowBlocks blocks = row_blocks(rows);
 #pragma omp parallel num_threads(threads)
@@ -610,6 +676,12 @@ void forward(const ForwardProblem& p, int num_threads) {
   if (p.rows() == 0) return;
   const ForwardCall call(p);
   const ThreadPlan plan = plan_threads(p.rows(), p.cols(), forward_bytes(p), num_threads);
+  if (p.phase == Phase::kPartialSums || p.phase == Phase::kPartialDeviations) {
+    // One thread per row: few long rows are not split (the sums' bits are the same).
+    parallel_for(plan.threads, p.rows(),
+                 [&](std::int64_t r) { p.partial_sums[r] = call.partial_sum(r); });
+    return;
+  }
   if (plan.split_rows) {
     forward_split_rows(call, plan.threads);
     return;
@@ -628,6 +700,21 @@ void backward(const BackwardProblem& p, int num_threads) {
   if (p.rows() == 0) {
     zero_vector(p.dw);
     zero_vector(p.db);
+    return;
+  }
+  if (p.phase == Phase::kPartialSums) {
+    const std::size_t bytes =
+        2 * static_cast<std::size_t>(p.rows() * p.cols()) * dtype_size(p.x.dtype);
+    const ThreadPlan plan = plan_threads(p.rows(), p.cols(), bytes, num_threads);
+    BackwardCall call(p, plan.threads);
+    // One thread per row: few long rows are not split (the sums' bits are the same).
+    parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
+      float mean, rstd, sum_g_xhat, sum_g;
+      call.row_stats(r, &mean, &rstd);
+      call.row_dots(r, mean, rstd, &sum_g_xhat, &sum_g);
+      p.partial_sum_g_xhat[r] = sum_g_xhat;
+      if (p.partial_sum_g != nullptr) p.partial_sum_g[r] = sum_g;
+    });
     return;
   }
   const std::size_t needed = backward_workspace_bytes(p.rows(), p.cols());

@@ -473,16 +473,19 @@ void BackwardDots(const void* dy_ptr, const void* x_ptr, const float* w, int64_t
 
 // BackwardApply of kRows rows at once: dw / db take row 0's term, then row 1's, exactly as
 // consecutive one-row calls add them, but are loaded and stored once per pair.
-template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, size_t kRows>
+// kAddend: dx_addend is added to each row's dx before it is rounded.
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, bool kAddend,
+          size_t kRows>
 void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* dw_acc,
                        float* db_acc, int64_t n) {
   const DF df;
-  std::array<const T*, kRows> dy, x;
+  std::array<const T*, kRows> dy, x, addend;
   std::array<T*, kRows> dx;
   std::array<VF, kRows> vmean, vrstd, vmean_g, vmean_g_xhat;
   for (size_t k = 0; k < kRows; ++k) {
     dy[k] = static_cast<const T*>(rows.dy[k]);
     x[k] = static_cast<const T*>(rows.x[k]);
+    addend[k] = static_cast<const T*>(rows.dx_addend[k]);
     dx[k] = static_cast<T*>(rows.dx[k]);
     vmean[k] = hn::Set(df, rows.mean[k]);
     vrstd[k] = hn::Set(df, rows.rstd[k]);
@@ -503,6 +506,7 @@ void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* d
       if (kDb) db_sum = hn::Add(dyv, db_sum);
       const VF centered_g = kCentered ? hn::Sub(g, vmean_g[k]) : g;
       out[k] = hn::Mul(vrstd[k], hn::NegMulAdd(xhat, vmean_g_xhat[k], centered_g));
+      if constexpr (kAddend) out[k] = hn::Add(out[k], LoadElements(full, df, addend[k] + i, count));
     }
     if (kDw) StoreFloats(full, df, dw_sum, dw_acc + i, count);
     if (kDb) StoreFloats(full, df, db_sum, db_acc + i, count);
@@ -510,18 +514,20 @@ void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* d
   });
 }
 
-template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb>
-void BackwardApply(const void* dy, const void* x, const float* w, void* dx, float* dw_acc,
-                   float* db_acc, int64_t n, float mean, float rstd, float mean_g,
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, bool kAddend>
+void BackwardApply(const void* dy, const void* x, const float* w, const void* dx_addend, void* dx,
+                   float* dw_acc, float* db_acc, int64_t n, float mean, float rstd, float mean_g,
                    float mean_g_xhat) {
-  const BackwardRows<1> row{{dy}, {x}, {dx}, {mean}, {rstd}, {mean_g}, {mean_g_xhat}};
-  BackwardApplyRows<T, kStream, kCentered, kWeight, kDw, kDb, 1>(row, w, dw_acc, db_acc, n);
+  const BackwardRows<1> row{{dy}, {x}, {dx_addend}, {dx}, {mean}, {rstd}, {mean_g}, {mean_g_xhat}};
+  BackwardApplyRows<T, kStream, kCentered, kWeight, kDw, kDb, kAddend, 1>(row, w, dw_acc, db_acc,
+                                                                          n);
 }
 
-template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb>
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, bool kAddend>
 void BackwardApplyPair(const BackwardRows<2>& rows, const float* w, float* dw_acc, float* db_acc,
                        int64_t n) {
-  BackwardApplyRows<T, kStream, kCentered, kWeight, kDw, kDb, 2>(rows, w, dw_acc, db_acc, n);
+  BackwardApplyRows<T, kStream, kCentered, kWeight, kDw, kDb, kAddend, 2>(rows, w, dw_acc, db_acc,
+                                                                          n);
 }
 
 void StreamCopy(void* dst_ptr, const void* src_ptr, int64_t bytes) {
@@ -545,6 +551,16 @@ void StreamCopy(void* dst_ptr, const void* src_ptr, int64_t bytes) {
 }
 
 // ---- Table construction ----------------------------------------------------------------
+
+// One backward-apply variant into both tables (one row, two rows).
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, bool kAddend,
+          class ApplyTable, class PairTable>
+void FillApply(ApplyTable& apply, PairTable& pair) {
+  apply[kCentered][kWeight][kDw][kDb][kAddend] =
+      &BackwardApply<T, kStream, kCentered, kWeight, kDw, kDb, kAddend>;
+  pair[kCentered][kWeight][kDw][kDb][kAddend] =
+      &BackwardApplyPair<T, kStream, kCentered, kWeight, kDw, kDb, kAddend>;
+}
 
 // The table slots (ParamType) of a weight or bias of type W (void: none) next to rows of
 // type T; -1 for none. For fp32 rows, the rows' dtype is fp32: both slots.
@@ -595,26 +611,21 @@ void FillWriters(DTypeKernels* k) {
   SetNormalizeWeights<T, kStream, true, void>(normalize[1]);
   SetNormalizeWeights<T, kStream, true, float>(normalize[1]);
   if constexpr (!std::is_same_v<T, float>) SetNormalizeWeights<T, kStream, true, T>(normalize[1]);
+  // Only RMSNorm takes a dx addend.
   auto& apply = k->backward_apply[kStream];
-  apply[0][0][0][0] = &BackwardApply<T, kStream, false, false, false, false>;
-  apply[0][1][0][0] = &BackwardApply<T, kStream, false, true, false, false>;
-  apply[0][1][1][0] = &BackwardApply<T, kStream, false, true, true, false>;
-  apply[1][0][0][0] = &BackwardApply<T, kStream, true, false, false, false>;
-  apply[1][0][0][1] = &BackwardApply<T, kStream, true, false, false, true>;
-  apply[1][1][0][0] = &BackwardApply<T, kStream, true, true, false, false>;
-  apply[1][1][0][1] = &BackwardApply<T, kStream, true, true, false, true>;
-  apply[1][1][1][0] = &BackwardApply<T, kStream, true, true, true, false>;
-  apply[1][1][1][1] = &BackwardApply<T, kStream, true, true, true, true>;
   auto& pair = k->backward_apply_pair[kStream];
-  pair[0][0][0][0] = &BackwardApplyPair<T, kStream, false, false, false, false>;
-  pair[0][1][0][0] = &BackwardApplyPair<T, kStream, false, true, false, false>;
-  pair[0][1][1][0] = &BackwardApplyPair<T, kStream, false, true, true, false>;
-  pair[1][0][0][0] = &BackwardApplyPair<T, kStream, true, false, false, false>;
-  pair[1][0][0][1] = &BackwardApplyPair<T, kStream, true, false, false, true>;
-  pair[1][1][0][0] = &BackwardApplyPair<T, kStream, true, true, false, false>;
-  pair[1][1][0][1] = &BackwardApplyPair<T, kStream, true, true, false, true>;
-  pair[1][1][1][0] = &BackwardApplyPair<T, kStream, true, true, true, false>;
-  pair[1][1][1][1] = &BackwardApplyPair<T, kStream, true, true, true, true>;
+  FillApply<T, kStream, false, false, false, false, false>(apply, pair);
+  FillApply<T, kStream, false, true, false, false, false>(apply, pair);
+  FillApply<T, kStream, false, true, true, false, false>(apply, pair);
+  FillApply<T, kStream, false, false, false, false, true>(apply, pair);
+  FillApply<T, kStream, false, true, false, false, true>(apply, pair);
+  FillApply<T, kStream, false, true, true, false, true>(apply, pair);
+  FillApply<T, kStream, true, false, false, false, false>(apply, pair);
+  FillApply<T, kStream, true, false, false, true, false>(apply, pair);
+  FillApply<T, kStream, true, true, false, false, false>(apply, pair);
+  FillApply<T, kStream, true, true, false, true, false>(apply, pair);
+  FillApply<T, kStream, true, true, true, false, false>(apply, pair);
+  FillApply<T, kStream, true, true, true, true, false>(apply, pair);
 }
 
 template <typename T>

@@ -77,10 +77,14 @@ constexpr std::int64_t kMaxShortRow = 1024;
 // sum of g.
 using BackwardDotsFn = void (*)(const void* dy, const void* x, const float* w, std::int64_t n,
                                 float mean, float rstd, float* sum_g_xhat, float* sum_g);
-// dx = rstd * (g - mean_g - x_hat * mean_g_xhat); dw_acc += dy * x_hat; db_acc += dy.
-using BackwardApplyFn = void (*)(const void* dy, const void* x, const float* w, void* dx,
-                                 float* dw_acc, float* db_acc, std::int64_t n, float mean,
-                                 float rstd, float mean_g, float mean_g_xhat);
+// dx = rstd * (g - mean_g - x_hat * mean_g_xhat) [+ dx_addend]; dw_acc += dy * x_hat;
+// db_acc += dy. The addend (the fused add's incoming residual gradient) is added in fp32
+// before dx's one rounding; it may be dx or dy itself (each element is read before it is
+// written).
+using BackwardApplyFn = void (*)(const void* dy, const void* x, const float* w,
+                                 const void* dx_addend, void* dx, float* dw_acc, float* db_acc,
+                                 std::int64_t n, float mean, float rstd, float mean_g,
+                                 float mean_g_xhat);
 
 // The rows a backward_apply_pair call works on (kRows = 2; the one-row backward_apply
 // shares its implementation with kRows = 1): per row, dy / x / dx and the coefficients.
@@ -88,6 +92,7 @@ template <std::size_t kRows>
 struct BackwardRows {
   const void* dy[kRows];
   const void* x[kRows];
+  const void* dx_addend[kRows];  // unused by the variants without an addend
   void* dx[kRows];
   float mean[kRows], rstd[kRows], mean_g[kRows], mean_g_xhat[kRows];
 };
@@ -104,8 +109,9 @@ struct DTypeKernels {
   NormalizeFn normalize[2][2][3][3];   // [stream][centered][weight ParamType][bias ParamType]
   RmsRowsFn rms_rows[2][3];            // [fused residual add][weight ParamType]
   BackwardDotsFn backward_dots[2][2];  // [centered][weight]
-  BackwardApplyFn backward_apply[2][2][2][2][2];           // [stream][centered][weight][dw][db]
-  BackwardApplyPairFn backward_apply_pair[2][2][2][2][2];  // as backward_apply
+  // [stream][centered][weight][dw][db][addend]; the addend variants are RMSNorm's only.
+  BackwardApplyFn backward_apply[2][2][2][2][2][2];
+  BackwardApplyPairFn backward_apply_pair[2][2][2][2][2][2];  // as backward_apply
 };
 
 // dst[0, bytes) = src[0, bytes), with non-temporal stores for every whole 64-byte line of

@@ -65,7 +65,7 @@ std::vector<double> to_doubles(const ConstMatrix& m) {
 }
 
 BackwardResult backward(ConstMatrix dy, ConstMatrix x, ConstVector weight, double weight_offset,
-                        bool centered, bool want_db, double eps) {
+                        bool centered, bool want_db, double eps, ConstMatrix dx_addend = {}) {
   const std::int64_t rows = x.rows, cols = x.cols;
   const ForwardResult fwd =
       normalize(to_doubles(x), rows, cols, centered, {}, 0.0, {}, eps);  // y = x_hat
@@ -90,6 +90,12 @@ BackwardResult backward(ConstMatrix dy, ConstMatrix x, ConstVector weight, doubl
       const double d = element(dy, r, j);
       const double g = d * weight_at(weight, j, weight_offset);
       out.dx[index(r, cols, j)] = fwd.rstd[r] * (g - mean_g - xhat * mean_g_xhat);
+      if (dx_addend.data != nullptr) {
+        const double addend = element(dx_addend, r, j);
+        out.dx[index(r, cols, j)] += addend;
+        out.dx_scale[static_cast<std::size_t>(r)] =
+            std::max(out.dx_scale[static_cast<std::size_t>(r)], std::fabs(addend));
+      }
       if (!out.dw.empty()) out.dw[j] += d * xhat;
       if (want_db) out.db[j] += d;
     }
@@ -126,8 +132,28 @@ ForwardResult layer_norm(ConstMatrix x, ConstVector weight, ConstVector bias,
 }
 
 BackwardResult rms_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight,
-                                 const RmsNormOptions& options) {
-  return backward(dy, x, weight, options.weight_offset, false, false, options.eps);
+                                 const RmsNormOptions& options, ConstMatrix dx_addend) {
+  return backward(dy, x, weight, options.weight_offset, false, false, options.eps, dx_addend);
+}
+
+std::vector<double> row_sum_squares(ConstMatrix x) {
+  std::vector<double> sums(static_cast<std::size_t>(x.rows), 0.0);
+  for (std::int64_t r = 0; r < x.rows; ++r) {
+    for (std::int64_t j = 0; j < x.cols; ++j) sums[r] += element(x, r, j) * element(x, r, j);
+  }
+  return sums;
+}
+
+std::vector<double> row_sum_g_xhat(ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                                   const float* rstd, const RmsNormOptions& options) {
+  std::vector<double> sums(static_cast<std::size_t>(x.rows), 0.0);
+  for (std::int64_t r = 0; r < x.rows; ++r) {
+    for (std::int64_t j = 0; j < x.cols; ++j) {
+      sums[r] += element(dy, r, j) * weight_at(weight, j, options.weight_offset) *
+                 (element(x, r, j) * rstd[r]);
+    }
+  }
+  return sums;
 }
 
 BackwardResult layer_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight, bool want_db,

@@ -11,11 +11,16 @@ namespace fusednorm::test {
 namespace {
 
 enum class DxMode { kSeparate, kInPlace, kAbsent };
+// rms_norm_backward's dx_addend: none, its own buffer, dx's view (prefilled with the addend:
+// accumulate in place), or dy's view.
+enum class AddendMode { kNone, kSeparate, kIntoDx, kFromDy };
 
 struct BackwardCase {
   std::int64_t rows = 0, cols = 0;
   std::int64_t x_stride = 0, dy_stride = 0, dx_stride = 0;
   DxMode dx_mode = DxMode::kSeparate;
+  AddendMode addend = AddendMode::kNone;
+  std::int64_t addend_stride = 0;
   bool given_stats = true;  // rstd (and mean) from the library's forward, else recomputed
   bool want_dw = true;
   bool want_db = true;
@@ -28,10 +33,11 @@ struct BackwardCase {
 ::testing::Message describe(const BackwardCase& c) {
   return ::testing::Message() << "rows " << c.rows << ", D " << c.cols << ", strides x/dy/dx "
                               << c.x_stride << "/" << c.dy_stride << "/" << c.dx_stride
-                              << ", dx mode " << static_cast<int>(c.dx_mode) << ", given stats "
-                              << c.given_stats << ", dw " << c.want_dw << ", db " << c.want_db
-                              << ", workspace " << c.workspace << ", eps " << c.eps
-                              << ", threads " << c.threads;
+                              << ", dx mode " << static_cast<int>(c.dx_mode) << ", addend "
+                              << static_cast<int>(c.addend) << " (stride " << c.addend_stride
+                              << "), given stats " << c.given_stats << ", dw " << c.want_dw
+                              << ", db " << c.want_db << ", workspace " << c.workspace << ", eps "
+                              << c.eps << ", threads " << c.threads;
 }
 
 // Runs one backward case for either operator and checks every output.
@@ -73,6 +79,21 @@ void run_backward(Rng& rng, bool centered, DType dtype, WeightKind weight_kind,
   }
   const auto x_before = x.snapshot(), dy_before = dy.snapshot(), w_before = w.snapshot();
   const auto stats_before = rstd.snapshot(), mean_before = mean.snapshot();
+  // The dx addend (RMSNorm): its own buffer, or dx's / dy's view with the addend in it.
+  Buffer addend;
+  ConstMatrix addend_view{};
+  if (c.addend == AddendMode::kSeparate) {
+    addend = Buffer(dtype, rows, cols, c.addend_stride);
+    fill_activations(addend, rng, false);
+    addend_view = addend.cmatrix();
+  } else if (c.addend == AddendMode::kIntoDx) {
+    Buffer& target = c.dx_mode == DxMode::kInPlace ? dy : dx;
+    if (c.dx_mode != DxMode::kInPlace) fill_activations(dx, rng, false);
+    addend_view = target.cmatrix();
+  } else if (c.addend == AddendMode::kFromDy) {
+    addend_view = dy.cmatrix();
+  }
+  const auto addend_before = addend.snapshot();
   const auto dx_before = dx.snapshot();
 
   // Reference, and the scales the tolerances are relative to.
@@ -87,7 +108,7 @@ void run_backward(Rng& rng, bool centered, DType dtype, WeightKind weight_kind,
     RmsNormOptions options;
     options.eps = c.eps;
     options.weight_offset = c.weight_offset;
-    ref = reference::rms_norm_backward(dy.cmatrix(), x.cmatrix(), view_of(w), options);
+    ref = reference::rms_norm_backward(dy.cmatrix(), x.cmatrix(), view_of(w), options, addend_view);
     xhat = reference::rms_norm(x.cmatrix(), {}, options).y;
   }
   // dx's error scales with rstd * max|g| even where its terms cancel (ref.dx_scale).
@@ -124,7 +145,7 @@ void run_backward(Rng& rng, bool centered, DType dtype, WeightKind weight_kind,
     options.eps = c.eps;
     options.weight_offset = c.weight_offset;
     rms_norm_backward(ctx, dy.cmatrix(), x.cmatrix(), view_of(w), rstd_in, dx_view,
-                      mutable_view_of(dw), options, ws);
+                      mutable_view_of(dw), options, ws, addend_view);
   }
 
   const std::string op = centered ? "layer_norm_backward " : "rms_norm_backward ";
@@ -140,6 +161,7 @@ void run_backward(Rng& rng, bool centered, DType dtype, WeightKind weight_kind,
   if (c.dx_mode != DxMode::kSeparate) {
     EXPECT_TRUE(dx.check_unchanged("dx buffer not passed", dx_before));
   }
+  EXPECT_TRUE(addend.check_unchanged("dx_addend", addend_before));
   if (want_dw) {
     EXPECT_TRUE(dw.check_written("dw"));
     EXPECT_TRUE(compare_vector(op + "dw " + dtype_str(grad_dtype), dw, ref.dw, dw_abs_sum,
@@ -181,6 +203,15 @@ BackwardCase random_case(Rng& rng, int c) {
   return bc;
 }
 
+// An RMSNorm case with a dx addend in one of its forms (dx present).
+BackwardCase with_addend(Rng& rng, BackwardCase bc, int c) {
+  const AddendMode modes[] = {AddendMode::kSeparate, AddendMode::kIntoDx, AddendMode::kFromDy};
+  bc.addend = modes[c % 3];
+  if (bc.dx_mode == DxMode::kAbsent) bc.dx_mode = DxMode::kSeparate;
+  bc.addend_stride = random_stride(rng, bc.cols);
+  return bc;
+}
+
 // ---- RMSNorm ------------------------------------------------------------------------------
 
 class RmsNormBackwardTest : public RmsVariantTest {};
@@ -191,6 +222,34 @@ TEST_P(RmsNormBackwardTest, RandomShapesAndStrides) {
     Rng rng(seed_for(current_test_name(), c));
     BackwardCase bc = random_case(rng, c);
     bc.weight_offset = offset();
+    run_backward(rng, false, dtype(), weight_kind(), bc);
+  }
+}
+
+// The fused add's backward: dx = norm's dx + dx_addend, in one pass.
+TEST_P(RmsNormBackwardTest, DxAddend) {
+  const int cases = case_count(24, 9);
+  for (int c = 0; c < cases; ++c) {
+    Rng rng(seed_for(current_test_name(), c));
+    BackwardCase bc = with_addend(rng, random_case(rng, c), c);
+    bc.weight_offset = offset();
+    run_backward(rng, false, dtype(), weight_kind(), bc);
+  }
+}
+
+TEST_P(RmsNormBackwardTest, DxAddendEverySmallWidth) {
+  Rng rng(seed_for(current_test_name(), 0));
+  for (std::int64_t cols = 1; cols <= 40; ++cols) {
+    BackwardCase bc;
+    bc.rows = 5;
+    bc.cols = cols;
+    bc.x_stride = cols + 1;
+    bc.dy_stride = cols;
+    bc.dx_stride = cols + 2;
+    bc.given_stats = cols % 2 == 0;
+    bc.weight_offset = offset();
+    bc.threads = 1;
+    bc = with_addend(rng, bc, static_cast<int>(cols));
     run_backward(rng, false, dtype(), weight_kind(), bc);
   }
 }
@@ -223,6 +282,7 @@ TEST_P(RmsNormBackwardTest, LongRowsSplitAcrossThreads) {
     bc.threads = 4;
     bc.given_stats = rows == 1;
     run_backward(rng, false, dtype(), weight_kind(), bc);
+    run_backward(rng, false, dtype(), weight_kind(), with_addend(rng, bc, static_cast<int>(rows)));
   }
 }
 

@@ -438,6 +438,145 @@ TEST_F(ErrorTest, BackwardOutputsMustNotOverlapInputs) {
       "fusednorm::rms_norm_backward", "argument 'workspace'", "overlaps 'x'");
 }
 
+TEST_F(ErrorTest, DxAddend) {
+  Buffer addend(DType::kFloat32, kRows, kCols);
+  Rng rng(2);
+  fill_activations(addend, rng, false);
+  const auto addend_before = addend.snapshot();
+  ConstMatrix wrong_shape = {addend.data(), DType::kFloat32, kRows - 1, kCols, kCols};
+  EXPECT_FUSEDNORM_ERROR(rms_norm_backward(ctx, dy.cmatrix(), x.cmatrix(), {}, nullptr, dx.matrix(),
+                                           {}, {}, {}, wrong_shape),
+                         "fusednorm::rms_norm_backward", "argument 'dx_addend'", "shape");
+  ConstMatrix wrong_dtype = {addend.data(), DType::kFloat16, kRows, kCols, kCols};
+  EXPECT_FUSEDNORM_ERROR(rms_norm_backward(ctx, dy.cmatrix(), x.cmatrix(), {}, nullptr, dx.matrix(),
+                                           {}, {}, {}, wrong_dtype),
+                         "fusednorm::rms_norm_backward", "argument 'dx_addend'", "dtype");
+  ConstMatrix null_data = {nullptr, DType::kFloat32, kRows, kCols, kCols};
+  // data == nullptr means "absent": this call is valid and writes dx; undo it.
+  rms_norm_backward(ctx, dy.cmatrix(), x.cmatrix(), {}, nullptr, dx.matrix(), {}, {}, {},
+                    null_data);
+  dx.restore(before[2]);
+  EXPECT_FUSEDNORM_ERROR(rms_norm_backward(ctx, dy.cmatrix(), x.cmatrix(), {}, nullptr, {}, {}, {},
+                                           {}, addend.cmatrix()),
+                         "fusednorm::rms_norm_backward", "argument 'dx_addend'", "dx is absent");
+  // In place on dx is fine; a shifted view of dx is not.
+  ConstMatrix shifted = {dx.float_data() + 1, DType::kFloat32, kRows, kCols, kCols};
+  EXPECT_FUSEDNORM_ERROR(rms_norm_backward(ctx, dy.cmatrix(), x.cmatrix(), {}, nullptr, dx.matrix(),
+                                           {}, {}, {}, shifted),
+                         "fusednorm::rms_norm_backward", "argument 'dx'", "overlaps 'dx_addend'");
+  EXPECT_FUSEDNORM_ERROR(
+      rms_norm_backward(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), nullptr, dx.matrix(),
+                        Vector{addend.data(), DType::kFloat32, kCols}, {}, {}, addend.cmatrix()),
+      "fusednorm::rms_norm_backward", "argument 'dw'", "overlaps 'dx_addend'");
+  EXPECT_TRUE(addend.check_unchanged("dx_addend", addend_before));
+}
+
+TEST_F(ErrorTest, TwoPhaseArguments) {
+  Buffer sums = Buffer::floats(kRows);
+  const auto sums_before = sums.snapshot();
+  EXPECT_FUSEDNORM_ERROR(rms_norm_partial_sum_squares(ctx, x.cmatrix(), nullptr),
+                         "fusednorm::rms_norm_partial_sum_squares", "argument 'row_sum_squares'",
+                         "null");
+  EXPECT_FUSEDNORM_ERROR(
+      rms_norm_partial_sum_squares(ctx, x.cmatrix(), static_cast<float*>(x.data())),
+      "fusednorm::rms_norm_partial_sum_squares", "argument 'row_sum_squares'", "overlaps 'x'");
+  EXPECT_FUSEDNORM_ERROR(fused_add_partial_sum_squares(ctx, x.cmatrix(), {}, sums.float_data()),
+                         "fusednorm::fused_add_partial_sum_squares", "argument 'residual'");
+  EXPECT_FUSEDNORM_ERROR(
+      fused_add_partial_sum_squares(ctx, x.cmatrix(), residual.matrix(), residual.float_data()),
+      "fusednorm::fused_add_partial_sum_squares", "argument 'row_sum_squares'",
+      "overlaps 'residual'");
+  EXPECT_FUSEDNORM_ERROR(
+      rms_norm_from_sum_squares(ctx, x.cmatrix(), w.cvector(), y.matrix(), nullptr, kCols, rstd()),
+      "fusednorm::rms_norm_from_sum_squares", "argument 'row_sum_squares'", "null");
+  EXPECT_FUSEDNORM_ERROR(rms_norm_from_sum_squares(ctx, x.cmatrix(), w.cvector(), y.matrix(),
+                                                   sums.float_data(), kCols - 1, rstd()),
+                         "fusednorm::rms_norm_from_sum_squares", "argument 'full_cols'",
+                         "smaller than the slice's D");
+  EXPECT_FUSEDNORM_ERROR(rms_norm_from_sum_squares(ctx, x.cmatrix(), w.cvector(), y.matrix(),
+                                                   sums.float_data(), kCols, sums.float_data()),
+                         "fusednorm::rms_norm_from_sum_squares", "argument 'rstd'",
+                         "overlaps 'row_sum_squares'");
+  EXPECT_FUSEDNORM_ERROR(rms_norm_backward_partial_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(),
+                                                        nullptr, sums.float_data()),
+                         "fusednorm::rms_norm_backward_partial_sums", "argument 'rstd'",
+                         "required");
+  EXPECT_FUSEDNORM_ERROR(
+      rms_norm_backward_partial_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), rstd(), nullptr),
+      "fusednorm::rms_norm_backward_partial_sums", "argument 'row_sum_g_xhat'", "required");
+  EXPECT_FUSEDNORM_ERROR(rms_norm_backward_partial_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(),
+                                                        rstd(), static_cast<float*>(dy.data())),
+                         "fusednorm::rms_norm_backward_partial_sums", "argument 'row_sum_g_xhat'",
+                         "overlaps 'dy'");
+  EXPECT_FUSEDNORM_ERROR(
+      rms_norm_backward_from_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), nullptr,
+                                  sums.float_data(), kCols, dx.matrix(), dw.vector()),
+      "fusednorm::rms_norm_backward_from_sums", "argument 'rstd'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      rms_norm_backward_from_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), rstd(), nullptr,
+                                  kCols, dx.matrix(), dw.vector()),
+      "fusednorm::rms_norm_backward_from_sums", "argument 'row_sum_g_xhat'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      rms_norm_backward_from_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), rstd(),
+                                  sums.float_data(), 0, dx.matrix(), dw.vector()),
+      "fusednorm::rms_norm_backward_from_sums", "argument 'full_cols'");
+  EXPECT_FUSEDNORM_ERROR(rms_norm_backward_from_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(),
+                                                     rstd(), sums.float_data(), kCols, dx.matrix(),
+                                                     Vector{sums.data(), DType::kFloat32, kCols}),
+                         "fusednorm::rms_norm_backward_from_sums", "argument 'dw'",
+                         "overlaps 'row_sum_g_xhat'");
+  EXPECT_TRUE(sums.check_unchanged("row sums", sums_before));
+}
+
+TEST_F(ErrorTest, LayerNormPhaseArguments) {
+  Buffer sums = Buffer::floats(2 * kRows);
+  float* first = sums.float_data();
+  float* second = sums.float_data() + kRows;
+  const auto sums_before = sums.snapshot();
+  EXPECT_FUSEDNORM_ERROR(layer_norm_partial_sums(ctx, x.cmatrix(), nullptr),
+                         "fusednorm::layer_norm_partial_sums", "argument 'row_sum'", "null");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_partial_squared_deviations(ctx, x.cmatrix(), nullptr, kCols, second),
+      "fusednorm::layer_norm_partial_squared_deviations", "argument 'row_sum'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_partial_squared_deviations(ctx, x.cmatrix(), first, kCols - 1, second),
+      "fusednorm::layer_norm_partial_squared_deviations", "argument 'full_cols'");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_partial_squared_deviations(ctx, x.cmatrix(), first, kCols, first),
+      "fusednorm::layer_norm_partial_squared_deviations", "argument 'row_sum_squared_deviations'",
+      "overlaps 'row_sum'");
+  EXPECT_FUSEDNORM_ERROR(layer_norm_from_sums(ctx, x.cmatrix(), w.cvector(), bias.cvector(),
+                                              y.matrix(), first, nullptr, kCols, mean(), rstd()),
+                         "fusednorm::layer_norm_from_sums", "argument 'row_sum_squared_deviations'",
+                         "required");
+  EXPECT_FUSEDNORM_ERROR(layer_norm_from_sums(ctx, x.cmatrix(), w.cvector(), bias.cvector(),
+                                              y.matrix(), first, second, kCols, first, rstd()),
+                         "fusednorm::layer_norm_from_sums", "argument 'mean'",
+                         "overlaps 'row_sum'");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_partial_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), nullptr, rstd(),
+                                       first, second),
+      "fusednorm::layer_norm_backward_partial_sums", "argument 'mean'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_partial_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), mean(), rstd(),
+                                       nullptr, second),
+      "fusednorm::layer_norm_backward_partial_sums", "argument 'row_sum_g'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_partial_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), mean(), rstd(),
+                                       first, first),
+      "fusednorm::layer_norm_backward_partial_sums", "argument 'row_sum_g'",
+      "overlaps 'row_sum_g_xhat'");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_from_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), mean(), rstd(),
+                                    nullptr, second, kCols, dx.matrix(), dw.vector(), db.vector()),
+      "fusednorm::layer_norm_backward_from_sums", "argument 'row_sum_g'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_from_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), mean(), nullptr,
+                                    first, second, kCols, dx.matrix(), dw.vector(), db.vector()),
+      "fusednorm::layer_norm_backward_from_sums", "argument 'rstd'", "required");
+  EXPECT_TRUE(sums.check_unchanged("row sums", sums_before));
+}
+
 // ---- 64-bit views ----------------------------------------------------------------------------
 
 // Views whose extent does not fit 64-bit element (and byte) arithmetic are rejected before

@@ -90,10 +90,16 @@ TEST(RowKernels, EveryTargetIsListedAndComplete) {
           for (const int s : {0, 1}) {
             for (int dw = 0; dw < 2; ++dw) {
               for (int db = 0; db < 2; ++db) {
-                // RMSNorm has no bias gradient; no weight means no weight gradient.
-                const bool expected = (c == 1 || db == 0) && (w == 1 || dw == 0);
-                EXPECT_EQ(k.backward_apply[s][c][w][dw][db] != nullptr, expected)
-                    << s << c << w << dw << db;
+                // RMSNorm has no bias gradient; no weight means no weight gradient; only
+                // RMSNorm takes a dx addend.
+                for (int add = 0; add < 2; ++add) {
+                  const bool expected =
+                      (c == 1 || db == 0) && (w == 1 || dw == 0) && (c == 0 || add == 0);
+                  EXPECT_EQ(k.backward_apply[s][c][w][dw][db][add] != nullptr, expected)
+                      << s << c << w << dw << db << add;
+                  EXPECT_EQ(k.backward_apply_pair[s][c][w][dw][db][add] != nullptr, expected)
+                      << s << c << w << dw << db << add;
+                }
               }
             }
           }
@@ -351,49 +357,65 @@ TEST_P(RowKernelTest, BackwardDotsAndApply) {
           for (const StoreMode mode : store_modes()) {
             for (int want_dw = 0; want_dw <= has_w; ++want_dw) {
               for (int want_db = 0; want_db <= c; ++want_db) {
-                SCOPED_TRACE(::testing::Message()
-                             << "stream " << mode.stream << " at offset " << mode.offset << ", dw "
-                             << want_dw << ", db " << want_db);
-                Buffer dx(dtype(), 1, n, n, kGuard + mode.offset);
-                Buffer dw_acc = Buffer::vector_of(DType::kFloat32, n);
-                Buffer db_acc = Buffer::vector_of(DType::kFloat32, n);
-                fill_normal(dw_acc, rng, 0.0, 1.0);
-                fill_normal(db_acc, rng, 0.0, 1.0);
-                const std::vector<double> dw_start = dw_acc.values(), db_start = db_acc.values();
-                const auto dw_before = dw_acc.snapshot(), db_before = db_acc.snapshot();
-                k.backward_apply[mode.stream][c][has_w][want_dw][want_db](
-                    dy.data(), x.data(), has_w ? w.float_data() : nullptr, dx.data(),
-                    want_dw ? dw_acc.float_data() : nullptr,
-                    want_db ? db_acc.float_data() : nullptr, n, c ? mean : 0.0f, rstd,
-                    c ? mean_g : 0.0f, mean_g_xhat);
-                ASSERT_TRUE(dx.check_written("dx"));
-                for (std::int64_t j = 0; j < n; ++j) {
-                  const double g = dy.at(j) * (has_w ? w.at(j) : 1.0);
-                  const double xhat = (x.at(j) - m) * rstd;
-                  const double expected = rstd * (g - (c ? mean_g : 0.0) - xhat * mean_g_xhat);
-                  const double scale =
-                      rstd * (std::fabs(g) + std::fabs(mean_g) + std::fabs(xhat * mean_g_xhat));
-                  ASSERT_NEAR(dx.at(j), expected, tolerance(dtype()) * scale) << "dx " << j;
+                // dx addend: 0 none, 1 its own buffer, 2 dx itself (accumulate in place).
+                for (int addend_mode = 0; addend_mode <= (c == 0 ? 2 : 0); ++addend_mode) {
+                  SCOPED_TRACE(::testing::Message() << "stream " << mode.stream << " at offset "
+                                                    << mode.offset << ", dw " << want_dw << ", db "
+                                                    << want_db << ", addend " << addend_mode);
+                  Buffer dx(dtype(), 1, n, n, kGuard + mode.offset);
+                  Buffer addend_buffer = Buffer::vector_of(dtype(), n);
+                  fill_activations(addend_buffer, rng, false);
+                  if (addend_mode == 2)
+                    dx.fill([&](std::int64_t, std::int64_t j) { return addend_buffer.at(j); });
+                  const auto addend_before = addend_buffer.snapshot();
+                  const void* addend = addend_mode == 0   ? nullptr
+                                       : addend_mode == 1 ? addend_buffer.data()
+                                                          : dx.data();
+                  Buffer dw_acc = Buffer::vector_of(DType::kFloat32, n);
+                  Buffer db_acc = Buffer::vector_of(DType::kFloat32, n);
+                  fill_normal(dw_acc, rng, 0.0, 1.0);
+                  fill_normal(db_acc, rng, 0.0, 1.0);
+                  const std::vector<double> dw_start = dw_acc.values(), db_start = db_acc.values();
+                  const auto dw_before = dw_acc.snapshot(), db_before = db_acc.snapshot();
+                  k.backward_apply[mode.stream][c][has_w][want_dw][want_db][addend_mode != 0](
+                      dy.data(), x.data(), has_w ? w.float_data() : nullptr, addend, dx.data(),
+                      want_dw ? dw_acc.float_data() : nullptr,
+                      want_db ? db_acc.float_data() : nullptr, n, c ? mean : 0.0f, rstd,
+                      c ? mean_g : 0.0f, mean_g_xhat);
+                  ASSERT_TRUE(dx.check_written("dx"));
+                  for (std::int64_t j = 0; j < n; ++j) {
+                    const double g = dy.at(j) * (has_w ? w.at(j) : 1.0);
+                    const double xhat = (x.at(j) - m) * rstd;
+                    const double added = addend_mode != 0 ? addend_buffer.at(j) : 0.0;
+                    const double expected =
+                        rstd * (g - (c ? mean_g : 0.0) - xhat * mean_g_xhat) + added;
+                    const double scale =
+                        rstd * (std::fabs(g) + std::fabs(mean_g) + std::fabs(xhat * mean_g_xhat)) +
+                        std::fabs(added);
+                    ASSERT_NEAR(dx.at(j), expected, tolerance(dtype()) * scale) << "dx " << j;
+                    if (want_dw) {
+                      ASSERT_NEAR(
+                          dw_acc.at(j), dw_start[j] + dy.at(j) * xhat,
+                          4 * 0x1p-24 * (std::fabs(dw_start[j]) + std::fabs(dy.at(j) * xhat)))
+                          << "dw " << j;
+                    }
+                    if (want_db) {
+                      ASSERT_NEAR(db_acc.at(j), db_start[j] + dy.at(j),
+                                  2 * 0x1p-24 * (std::fabs(db_start[j]) + std::fabs(dy.at(j))))
+                          << "db " << j;
+                    }
+                  }
                   if (want_dw) {
-                    ASSERT_NEAR(dw_acc.at(j), dw_start[j] + dy.at(j) * xhat,
-                                4 * 0x1p-24 * (std::fabs(dw_start[j]) + std::fabs(dy.at(j) * xhat)))
-                        << "dw " << j;
+                    EXPECT_TRUE(dw_acc.check_guards("dw_acc"));
+                  } else {
+                    EXPECT_TRUE(dw_acc.check_unchanged("dw_acc", dw_before));
                   }
                   if (want_db) {
-                    ASSERT_NEAR(db_acc.at(j), db_start[j] + dy.at(j),
-                                2 * 0x1p-24 * (std::fabs(db_start[j]) + std::fabs(dy.at(j))))
-                        << "db " << j;
+                    EXPECT_TRUE(db_acc.check_guards("db_acc"));
+                  } else {
+                    EXPECT_TRUE(db_acc.check_unchanged("db_acc", db_before));
                   }
-                }
-                if (want_dw) {
-                  EXPECT_TRUE(dw_acc.check_guards("dw_acc"));
-                } else {
-                  EXPECT_TRUE(dw_acc.check_unchanged("dw_acc", dw_before));
-                }
-                if (want_db) {
-                  EXPECT_TRUE(db_acc.check_guards("db_acc"));
-                } else {
-                  EXPECT_TRUE(db_acc.check_unchanged("db_acc", db_before));
+                  EXPECT_TRUE(addend_buffer.check_unchanged("dx_addend", addend_before));
                 }
               }
             }
