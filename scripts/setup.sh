@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Installs what a fresh Debian 12 machine lacks for the C++ library, then configures and
-# builds it (Release, warnings as errors) into build/release. Idempotent: a second run only
-# rebuilds what changed.
+# Installs what a fresh Debian 12 machine lacks for the C++ library, then configures
+# build/release (Release, warnings as errors) and builds the library and fusednorm-bench, the
+# main job: nothing else, so the README's first command stays quick. scripts/test.sh builds
+# the rest of the tree (test suites, CUDA emulation) in the same build directory.
+# Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,11 +21,13 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-# The CUDA backend is compiled whenever nvcc is on PATH or in /usr/local/cuda (it needs no GPU).
+# The CUDA backend is compiled whenever nvcc is on PATH or in /usr/local/cuda (it needs no GPU),
+# unless FUSEDNORM_CUDA=OFF (ON: required; default AUTO).
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
 
 jobs=$(nproc)
-cmake -S . -B build/release -DCMAKE_BUILD_TYPE=Release -DFUSEDNORM_WERROR=ON >/dev/null
-cmake --build build/release -j"$jobs"
+cmake -S . -B build/release -DCMAKE_BUILD_TYPE=Release -DFUSEDNORM_WERROR=ON \
+  -DFUSEDNORM_CUDA="${FUSEDNORM_CUDA:-AUTO}" >/dev/null
+cmake --build build/release -j"$jobs" --target fusednorm-bench

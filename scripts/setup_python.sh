@@ -12,6 +12,11 @@
 #                   compiling CUDA is slow and most CI machines have no GPU)
 #   FUSEDNORM_TORCH_SPEC  pip requirement for torch (default torch==2.11.0)
 #
+# Every package is pinned to the version the test suite and the benchmark were last run
+# with (2026-11-30), so a fresh machine gets what CI tested; bump them together, after
+# running scripts/test.sh. onnxruntime (with onnx to build its model) is the CPU peer of
+# `python -m fusednorm.bench`, whose smoke test runs it.
+#
 # Why torch is installed with its dependencies: the PyPI wheel is a CUDA build whose
 # libtorch_cuda.so links libcufile, libcusparseLt and libnvshmem_host; with --no-deps
 # `import torch` fails on a machine without them, even for CPU work. The full install is
@@ -46,8 +51,9 @@ step "installing $TORCH_SPEC and the test/benchmark tools"
 t=$(now)
 "${PIP[@]}" install -q \
   "$TORCH_SPEC" \
-  "scikit-build-core>=0.10" \
-  "numpy" "pytest>=8" "transformers>=5,<6" "matplotlib" "psutil"
+  "scikit-build-core==1.1.2" \
+  "numpy==2.4.6" "pytest==9.2.0" "transformers==5.24.0" "matplotlib==3.11.2" "psutil==7.2.2" \
+  "onnx==1.23.2" "onnxruntime==1.32.0"
 echo "    dependencies: $(( $(now) - t )) s"
 
 if [[ "$FUSEDNORM_CUDA" == "ON" ]] && ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then

@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 
 echo "== 1. build and C++ tests (Release)"
-scripts/setup.sh
+scripts/setup.sh                          # prerequisites, the library and fusednorm-bench
+cmake --build build/release -j"$jobs"     # the rest: test suites, CUDA emulation
 ctest --test-dir build/release --output-on-failure -j"$jobs"
 
 echo "== 2. C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"

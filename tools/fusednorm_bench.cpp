@@ -61,21 +61,26 @@ struct Options {
   int threads = 0;
   int repeat = 30;
   bool json = false;
+  bool stepwise = true;  // also time the stepwise baseline
 };
 
 [[noreturn]] void usage(const char* message) {
   if (message) std::fprintf(stderr, "fusednorm-bench: %s\n\n", message);
-  std::fprintf(stderr,
-               "usage: fusednorm-bench [--op OP] [--rows N] [--dim D] [--dtype T] [--threads N]\n"
-               "                       [--repeat N] [--json]\n"
-               "  --op       all (default), rms_norm, fused_add_rms_norm, rms_norm_backward,\n"
-               "             layer_norm, layer_norm_backward\n"
-               "  --rows     rows (tokens), default 512\n"
-               "  --dim      D (hidden size), default 4096\n"
-               "  --dtype    float16 (default), bfloat16, float32 (also fp16, bf16, fp32)\n"
-               "  --threads  CPU threads, default 0 = all hardware threads\n"
-               "  --repeat   timed runs per case (median reported), default 30\n"
-               "  --json     one JSON object per line instead of the table\n");
+  std::fprintf(
+      stderr,
+      "usage: fusednorm-bench [--op OP] [--rows N] [--dim D] [--dtype T] [--threads N]\n"
+      "                       [--repeat N] [--fused-only] [--json]\n"
+      "  --op       all (default), rms_norm, fused_add_rms_norm, rms_norm_backward,\n"
+      "             layer_norm, layer_norm_backward\n"
+      "  --rows     rows (tokens), default 512\n"
+      "  --dim      D (hidden size), default 4096\n"
+      "  --dtype    float16 (default), bfloat16, float32 (also fp16, bf16, fp32)\n"
+      "  --threads  CPU threads, default 0 = all hardware threads\n"
+      "  --repeat   timed runs per case (median reported), default 30\n"
+      "  --fused-only  skip the stepwise baseline (slow on large shapes)\n"
+      "  --json     one JSON object per line instead of the table\n"
+      "The CPU SIMD target is the best this CPU supports; FUSEDNORM_CPU_TARGET=AVX2 (or any\n"
+      "Highway target name this CPU supports) runs a chosen one. Both outputs name it.\n");
   std::exit(message ? 2 : 0);
 }
 
@@ -97,6 +102,10 @@ Options parse(int argc, char** argv) {
     if (arg == "--help" || arg == "-h") usage(nullptr);
     if (arg == "--json") {
       o.json = true;
+      continue;
+    }
+    if (arg == "--fused-only") {
+      o.stepwise = false;
       continue;
     }
     if (i + 1 >= argc) usage((arg + " needs a value").c_str());
@@ -275,13 +284,13 @@ class Bench {
     const bool all = o_.op == "all";
     std::vector<std::function<void()>> cases;
     if (all || o_.op == "rms_norm") {
-      cases.push_back([this] { rms_forward(false); });
+      if (o_.stepwise) cases.push_back([this] { rms_forward(false); });
       cases.push_back([this] { rms_forward(true); });
     }
     if (all || o_.op == "layer_norm") cases.push_back([this] { layer_forward(); });
     if (all || o_.op == "fused_add_rms_norm") cases.push_back([this] { fused_add(); });
     if (all || o_.op == "rms_norm_backward") {
-      cases.push_back([this] { rms_backward(false); });
+      if (o_.stepwise) cases.push_back([this] { rms_backward(false); });
       cases.push_back([this] { rms_backward(true); });
     }
     if (all || o_.op == "layer_norm_backward") cases.push_back([this] { layer_backward(); });
@@ -459,7 +468,9 @@ int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   std::vector<Result> results;
   int threads = 0;
+  const char* target = nullptr;
   try {
+    target = cpu::row_kernels().target_name;
     Bench bench(o);
     threads = bench.threads();
     results = bench.run();
@@ -479,10 +490,11 @@ int main(int argc, char** argv) {
     for (const auto& r : results) {
       std::printf(
           "{\"op\": \"%s\", \"impl\": \"%s\", \"dtype\": \"%s\", \"rows\": %lld, \"D\": %lld, "
-          "\"threads\": %d, \"median_us\": %.3f, \"gbps\": %.3f, \"pct_of_memcpy\": %.1f, "
+          "\"threads\": %d, \"target\": \"%s\", \"median_us\": %.3f, \"gbps\": %.3f, "
+          "\"pct_of_memcpy\": %.1f, "
           "\"max_abs_err\": %.3g, \"extra_bytes\": %zu, \"memcpy_gbps\": %.3f}\n",
           r.op.c_str(), r.impl.c_str(), dtype_name(o.dtype), static_cast<long long>(o.rows),
-          static_cast<long long>(o.dim), threads, r.median_us, r.gbps, r.pct_of_memcpy,
+          static_cast<long long>(o.dim), threads, target, r.median_us, r.gbps, r.pct_of_memcpy,
           r.max_abs_err, r.extra_bytes, r.memcpy_gbps);
     }
     return ok ? 0 : 1;
@@ -490,7 +502,7 @@ int main(int argc, char** argv) {
 
   std::printf("fusednorm-bench: %lld x %lld %s, %d thread%s, CPU SIMD target %s\n",
               static_cast<long long>(o.rows), static_cast<long long>(o.dim), dtype_name(o.dtype),
-              threads, threads == 1 ? "" : "s", cpu::row_kernels().target_name);
+              threads, threads == 1 ? "" : "s", target);
   std::printf(
       "GB/s counts the bytes that must move (each input read once, each output written once);\n"
       "memcpy: x's size copied with the same threads between the runs of each case; the faster of\n"
@@ -505,7 +517,9 @@ int main(int argc, char** argv) {
     std::printf("| %-19s | %-8s | %9.1f | %6.1f | %11.1f | %10.1f%% | %11zu | %.2e (%.1e) %-4s |\n",
                 r.op.c_str(), r.impl.c_str(), r.median_us, r.gbps, r.memcpy_gbps, r.pct_of_memcpy,
                 r.extra_bytes, r.max_abs_err, r.error_limit,
-                r.max_abs_err <= r.error_limit ? "ok" : r.impl == "fused" ? "FAIL" : "over");
+                r.max_abs_err <= r.error_limit ? "ok"
+                : r.impl == "fused"            ? "FAIL"
+                                               : "over");
   }
   for (const auto& r : results) {
     if (!r.note.empty())

@@ -6,6 +6,14 @@
 // Conventions shared by every operator:
 //  - x is [..., D]; outputs are new contiguous tensors with x's shape and dtype; per-row
 //    statistics (rstd, mean) are fp32 with shape x.shape[:-1].
+//  - The forward operators also have an `.out` overload that writes into the caller's
+//    tensors (keyword arguments `out`, or `y` and the statistics for the *_fwd operators)
+//    and returns nothing: torch.compile functionalizes a custom operator that mutates its
+//    arguments only when no output aliases an input (the Python functions return `out`). They must
+//    match exactly (shape, dtype, device; statistics contiguous); an out tensor of any row-strided
+//    layout is written in place, any other layout through one staging copy; out may be x itself (in
+//    place), any other overlap with an input is an error naming the argument. No allocation besides
+//    that staging.
 //  - Inputs are read through their strides when the last dimension is contiguous and the
 //    leading dimensions collapse to one row stride; otherwise one contiguous copy is made.
 //  - Absent gradients (no weight, or compute_dw / compute_db false) are returned as empty
@@ -14,6 +22,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <string>
+
+#include "cpu/row_kernels.h"
 #include "torch_bridge.h"
 
 namespace fusednorm::torch_ext {
@@ -34,59 +45,93 @@ at::Tensor workspace_for(const Context& ctx, const at::Tensor& x, std::int64_t r
   return t;
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_forward(const char* op, const Context& ctx,
-                                               const at::Tensor& x, const OptTensor& weight,
-                                               double eps, double weight_offset, bool want_rstd) {
-  const RowView xv = input_rows(op, "x", x);
+// The forward bodies write into views they are given; the operators below differ only in
+// where y and the statistics live (fresh tensors, or the caller's out= tensors).
+void run_rms_norm(const char* op, const Context& ctx, const at::Tensor& x, const RowView& xv,
+                  const OptTensor& weight, const Matrix& y, float* rstd, double eps,
+                  double weight_offset) {
   at::Tensor w_keep;
   const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
-  at::Tensor y;
-  const Matrix yv = new_rows(x, y);
-  at::Tensor rstd;
-  if (want_rstd) rstd = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
   call_core([&] {
-    fusednorm::rms_norm(ctx, xv.const_matrix(), w, yv, want_rstd ? rstd.data_ptr<float>() : nullptr,
+    fusednorm::rms_norm(ctx, xv.const_matrix(), w, y, rstd,
                         {as_float(eps), as_float(weight_offset)});
   });
-  return {y, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_forward(const char* op, const Context& ctx,
-                                                             const at::Tensor& x,
-                                                             const OptTensor& weight,
-                                                             const OptTensor& bias, double eps,
-                                                             bool want_stats) {
-  const RowView xv = input_rows(op, "x", x);
+void run_layer_norm(const char* op, const Context& ctx, const at::Tensor& x, const RowView& xv,
+                    const OptTensor& weight, const OptTensor& bias, const Matrix& y, float* mean,
+                    float* rstd, double eps) {
   at::Tensor w_keep, b_keep;
   const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
   const ConstVector b = optional_vector(op, "bias", bias, x, b_keep);
-  at::Tensor y, mean, rstd;
-  const Matrix yv = new_rows(x, y);
-  if (want_stats) {
-    mean = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
-    rstd = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
-  }
   LayerNormOptions options;
   options.eps = as_float(eps);
+  call_core([&] { fusednorm::layer_norm(ctx, xv.const_matrix(), w, b, y, mean, rstd, options); });
+}
+
+// residual is written in place, so it is never silently replaced by a copy: when its strides
+// do not allow a rows x D view, the op works on a contiguous copy and copies the result back.
+void run_fused_add_rms_norm(const char* op, const Context& ctx, const at::Tensor& x,
+                            const RowView& xv, const at::Tensor& residual, const OptTensor& weight,
+                            const Matrix& y, double eps, double weight_offset) {
+  const OutputRows rv = output_rows(op, "residual", residual, x, /*keep_contents=*/true);
+  check_no_overlap(op, "residual", residual, {{"x", &x}, {"weight", optional_input(weight)}});
+  at::Tensor w_keep;
+  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
   call_core([&] {
-    fusednorm::layer_norm(ctx, xv.const_matrix(), w, b, yv,
-                          want_stats ? mean.data_ptr<float>() : nullptr,
-                          want_stats ? rstd.data_ptr<float>() : nullptr, options);
+    fusednorm::fused_add_rms_norm(ctx, xv.const_matrix(), rv.matrix(), w, y, nullptr,
+                                  {as_float(eps), as_float(weight_offset)});
   });
-  return {y, mean, rstd};
+  rv.finish();
+}
+
+at::Tensor new_row_stats(const at::Tensor& x) {
+  return at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
 }
 
 }  // namespace
 
 at::Tensor rms_norm(const Context& ctx, const at::Tensor& x, const OptTensor& weight, double eps,
                     double weight_offset) {
-  return std::get<0>(rms_forward("rms_norm", ctx, x, weight, eps, weight_offset, false));
+  const RowView xv = input_rows("rms_norm", "x", x);
+  at::Tensor y;
+  const Matrix yv = new_rows(x, xv.dtype, y);
+  run_rms_norm("rms_norm", ctx, x, xv, weight, yv, nullptr, eps, weight_offset);
+  return y;
+}
+
+void rms_norm_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight, double eps,
+                  double weight_offset, at::Tensor& out) {
+  const char* op = "rms_norm.out";
+  const RowView xv = input_rows(op, "x", x);
+  const OutputRows yv = output_rows(op, "out", out, x, /*keep_contents=*/false);
+  check_no_overlap(op, "out", out,
+                   {{"x", &x, /*may_be_out=*/true}, {"weight", optional_input(weight)}});
+  run_rms_norm(op, ctx, x, xv, weight, yv.matrix(), nullptr, eps, weight_offset);
+  yv.finish();
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const Context& ctx, const at::Tensor& x,
                                                 const OptTensor& weight, double eps,
                                                 double weight_offset) {
-  return rms_forward("rms_norm_fwd", ctx, x, weight, eps, weight_offset, true);
+  const RowView xv = input_rows("rms_norm_fwd", "x", x);
+  at::Tensor y;
+  const Matrix yv = new_rows(x, xv.dtype, y);
+  at::Tensor rstd = new_row_stats(x);
+  run_rms_norm("rms_norm_fwd", ctx, x, xv, weight, yv, rstd.data_ptr<float>(), eps, weight_offset);
+  return {y, rstd};
+}
+
+void rms_norm_fwd_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight, double eps,
+                      double weight_offset, at::Tensor& y, at::Tensor& rstd) {
+  const char* op = "rms_norm_fwd.out";
+  const RowView xv = input_rows(op, "x", x);
+  const OutputRows yv = output_rows(op, "y", y, x, /*keep_contents=*/false);
+  float* rstd_data = row_stats_out(op, "rstd", rstd, x);
+  check_no_overlap(op, "y", y, {{"x", &x, true}, {"weight", optional_input(weight)}});
+  check_no_overlap(op, "rstd", rstd, {{"x", &x}, {"weight", optional_input(weight)}, {"y", &y}});
+  run_rms_norm(op, ctx, x, xv, weight, yv.matrix(), rstd_data, eps, weight_offset);
+  yv.finish();
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const Context& ctx, const at::Tensor& dy,
@@ -101,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const Context& ctx, const a
   const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
   const float* rstd_data = optional_row_stats(op, "rstd", rstd, x, xv.rows, rstd_keep);
   at::Tensor dx;
-  const Matrix dxv = new_rows(x, dx);
+  const Matrix dxv = new_rows(x, xv.dtype, dx);
   at::Tensor dw = (w.data != nullptr && compute_dw) ? at::empty({x.size(-1)}, weight->options())
                                                     : absent_grad(x);
   const std::optional<RowView> addend = optional_rows(op, "dx_addend", dx_addend, x);
@@ -117,27 +162,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const Context& ctx, const a
 
 at::Tensor fused_add_rms_norm(const Context& ctx, const at::Tensor& x, at::Tensor& residual,
                               const OptTensor& weight, double eps, double weight_offset) {
-  const char* op = "fused_add_rms_norm";
-  const RowView xv = input_rows(op, "x", x);
-  // residual is written in place, so it is never silently replaced by a copy: when its
-  // strides do not allow a rows x D view, the op works on a contiguous copy and copies the
-  // result back.
-  check_matching(op, "residual", residual, x);
-  std::optional<RowView> rv = rows_without_copy(op, "residual", residual);
-  at::Tensor staged;
-  if (!rv) {
-    staged = residual.contiguous();
-    rv = rows_without_copy(op, "residual", staged);
-  }
-  at::Tensor w_keep;
-  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
+  const RowView xv = input_rows("fused_add_rms_norm", "x", x);
   at::Tensor y;
-  const Matrix yv = new_rows(x, y);
-  call_core([&] {
-    fusednorm::fused_add_rms_norm(ctx, xv.const_matrix(), rv->matrix(), w, yv, nullptr,
-                                  {as_float(eps), as_float(weight_offset)});
-  });
-  if (staged.defined()) residual.copy_(staged);
+  const Matrix yv = new_rows(x, xv.dtype, y);
+  run_fused_add_rms_norm("fused_add_rms_norm", ctx, x, xv, residual, weight, yv, eps,
+                         weight_offset);
   return y;
 }
 
@@ -153,10 +182,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_fwd(
   // The core adds in place; the functional form adds into a fresh copy of residual, so no
   // input is mutated (one extra read and write of residual, measured in bench_distributed).
   at::Tensor residual_out;
-  const Matrix rv = new_rows(x, residual_out);
+  const Matrix rv = new_rows(x, xv.dtype, residual_out);
   residual_out.copy_(residual);
   at::Tensor y;
-  const Matrix yv = new_rows(x, y);
+  const Matrix yv = new_rows(x, xv.dtype, y);
   at::Tensor rstd = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
   call_core([&] {
     fusednorm::fused_add_rms_norm(ctx, xv.const_matrix(), rv, w, yv, rstd.data_ptr<float>(),
@@ -183,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_partial_sum_squares(const Context& 
   check_matching(op, "residual", residual, x);
   check_same_dtype(op, "residual", residual, x);
   at::Tensor residual_out;
-  const Matrix rv = new_rows(x, residual_out);
+  const Matrix rv = new_rows(x, xv.dtype, residual_out);
   residual_out.copy_(residual);
   at::Tensor sums = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
   call_core([&] {
@@ -201,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_from_sum_squares(
   const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
   const float* sums = required_row_stats(op, "sum_squares", sum_squares, x, xv.rows, sums_keep);
   at::Tensor y;
-  const Matrix yv = new_rows(x, y);
+  const Matrix yv = new_rows(x, xv.dtype, y);
   at::Tensor rstd = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
   call_core([&] {
     fusednorm::rms_norm_from_sum_squares(ctx, xv.const_matrix(), w, yv, sums, full_cols,
@@ -243,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_from_sums(
   const float* sums = required_row_stats(op, "sum_g_xhat", sum_g_xhat, x, xv.rows, sums_keep);
   const std::optional<RowView> addend = optional_rows(op, "dx_addend", dx_addend, x);
   at::Tensor dx;
-  const Matrix dxv = new_rows(x, dx);
+  const Matrix dxv = new_rows(x, xv.dtype, dx);
   at::Tensor dw = (w.data != nullptr && compute_dw) ? at::empty({x.size(-1)}, weight->options())
                                                     : absent_grad(x);
   Workspace workspace;
@@ -258,16 +287,72 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_from_sums(
   return {dx, dw};
 }
 
+void fused_add_rms_norm_out(const Context& ctx, const at::Tensor& x, at::Tensor& residual,
+                            const OptTensor& weight, double eps, double weight_offset,
+                            at::Tensor& out) {
+  const char* op = "fused_add_rms_norm.out";
+  const RowView xv = input_rows(op, "x", x);
+  const OutputRows yv = output_rows(op, "out", out, x, /*keep_contents=*/false);
+  check_no_overlap(op, "out", out,
+                   {{"x", &x, /*may_be_out=*/true},
+                    {"residual", &residual},
+                    {"weight", optional_input(weight)}});
+  run_fused_add_rms_norm(op, ctx, x, xv, residual, weight, yv.matrix(), eps, weight_offset);
+  yv.finish();
+}
+
 at::Tensor layer_norm(const Context& ctx, const at::Tensor& x, const OptTensor& weight,
                       const OptTensor& bias, double eps) {
-  return std::get<0>(layer_forward("layer_norm", ctx, x, weight, bias, eps, false));
+  const RowView xv = input_rows("layer_norm", "x", x);
+  at::Tensor y;
+  const Matrix yv = new_rows(x, xv.dtype, y);
+  run_layer_norm("layer_norm", ctx, x, xv, weight, bias, yv, nullptr, nullptr, eps);
+  return y;
+}
+
+void layer_norm_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight,
+                    const OptTensor& bias, double eps, at::Tensor& out) {
+  const char* op = "layer_norm.out";
+  const RowView xv = input_rows(op, "x", x);
+  const OutputRows yv = output_rows(op, "out", out, x, /*keep_contents=*/false);
+  check_no_overlap(op, "out", out,
+                   {{"x", &x, /*may_be_out=*/true},
+                    {"weight", optional_input(weight)},
+                    {"bias", optional_input(bias)}});
+  run_layer_norm(op, ctx, x, xv, weight, bias, yv.matrix(), nullptr, nullptr, eps);
+  yv.finish();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const Context& ctx,
                                                               const at::Tensor& x,
                                                               const OptTensor& weight,
                                                               const OptTensor& bias, double eps) {
-  return layer_forward("layer_norm_fwd", ctx, x, weight, bias, eps, true);
+  const RowView xv = input_rows("layer_norm_fwd", "x", x);
+  at::Tensor y;
+  const Matrix yv = new_rows(x, xv.dtype, y);
+  at::Tensor mean = new_row_stats(x);
+  at::Tensor rstd = new_row_stats(x);
+  run_layer_norm("layer_norm_fwd", ctx, x, xv, weight, bias, yv, mean.data_ptr<float>(),
+                 rstd.data_ptr<float>(), eps);
+  return {y, mean, rstd};
+}
+
+void layer_norm_fwd_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight,
+                        const OptTensor& bias, double eps, at::Tensor& y, at::Tensor& mean,
+                        at::Tensor& rstd) {
+  const char* op = "layer_norm_fwd.out";
+  const RowView xv = input_rows(op, "x", x);
+  const OutputRows yv = output_rows(op, "y", y, x, /*keep_contents=*/false);
+  float* mean_data = row_stats_out(op, "mean", mean, x);
+  float* rstd_data = row_stats_out(op, "rstd", rstd, x);
+  const at::Tensor* w = optional_input(weight);
+  const at::Tensor* b = optional_input(bias);
+  check_no_overlap(op, "y", y, {{"x", &x, true}, {"weight", w}, {"bias", b}});
+  check_no_overlap(op, "mean", mean, {{"x", &x}, {"weight", w}, {"bias", b}, {"y", &y}});
+  check_no_overlap(op, "rstd", rstd,
+                   {{"x", &x}, {"weight", w}, {"bias", b}, {"y", &y}, {"mean", &mean}});
+  run_layer_norm(op, ctx, x, xv, weight, bias, yv.matrix(), mean_data, rstd_data, eps);
+  yv.finish();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
@@ -281,7 +366,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   const float* mean_data = optional_row_stats(op, "mean", mean, x, xv.rows, mean_keep);
   const float* rstd_data = optional_row_stats(op, "rstd", rstd, x, xv.rows, rstd_keep);
   at::Tensor dx;
-  const Matrix dxv = new_rows(x, dx);
+  const Matrix dxv = new_rows(x, xv.dtype, dx);
   const bool has_weight = w.data != nullptr;
   at::Tensor dw =
       (has_weight && compute_dw) ? at::empty({x.size(-1)}, weight->options()) : absent_grad(x);
@@ -357,7 +442,27 @@ TORCH_LIBRARY(fusednorm, m) {
       "Tensor sum_g_xhat, int full_cols, float weight_offset=0., bool compute_dw=True, "
       "Tensor? dx_addend=None) -> (Tensor dx, Tensor dw)",
       tags);
+  m.def(
+      "rms_norm.out(Tensor x, Tensor? weight, float eps=1e-06, float weight_offset=0., *, "
+      "Tensor(a!) out) -> ()",
+      tags);
+  m.def(
+      "rms_norm_fwd.out(Tensor x, Tensor? weight, float eps=1e-06, float weight_offset=0., *, "
+      "Tensor(a!) y, Tensor(b!) rstd) -> ()",
+      tags);
+  m.def(
+      "fused_add_rms_norm.out(Tensor x, Tensor(a!) residual, Tensor? weight, float eps=1e-06, "
+      "float weight_offset=0., *, Tensor(b!) out) -> ()",
+      tags);
   m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps=1e-05) -> Tensor", tags);
+  m.def(
+      "layer_norm.out(Tensor x, Tensor? weight, Tensor? bias, float eps=1e-05, *, "
+      "Tensor(a!) out) -> ()",
+      tags);
+  m.def(
+      "layer_norm_fwd.out(Tensor x, Tensor? weight, Tensor? bias, float eps=1e-05, *, "
+      "Tensor(a!) y, Tensor(b!) mean, Tensor(c!) rstd) -> ()",
+      tags);
   m.def(
       "layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps=1e-05) "
       "-> (Tensor y, Tensor mean, Tensor rstd)",
@@ -367,6 +472,9 @@ TORCH_LIBRARY(fusednorm, m) {
       "float eps=1e-05, bool compute_dw=True, bool compute_db=True) "
       "-> (Tensor dx, Tensor dw, Tensor db)",
       tags);
+  // The Highway target the CPU kernels run on this machine, for benchmark reports.
+  m.def("cpu_simd_target() -> str",
+        [] { return std::string(fusednorm::cpu::row_kernels().target_name); });
 }
 
 TORCH_LIBRARY_IMPL(fusednorm, CPU, m) {

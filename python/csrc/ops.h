@@ -17,9 +17,13 @@ using OptTensor = std::optional<at::Tensor>;
 
 at::Tensor rms_norm(const Context& ctx, const at::Tensor& x, const OptTensor& weight, double eps,
                     double weight_offset);
+void rms_norm_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight, double eps,
+                  double weight_offset, at::Tensor& out);
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const Context& ctx, const at::Tensor& x,
                                                 const OptTensor& weight, double eps,
                                                 double weight_offset);
+void rms_norm_fwd_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight, double eps,
+                      double weight_offset, at::Tensor& y, at::Tensor& rstd);
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const Context& ctx, const at::Tensor& dy,
                                                      const at::Tensor& x, const OptTensor& weight,
                                                      const OptTensor& rstd, double eps,
@@ -47,12 +51,20 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_from_sums(
     const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
     const at::Tensor& rstd, const at::Tensor& sum_g_xhat, std::int64_t full_cols,
     double weight_offset, bool compute_dw, const OptTensor& dx_addend);
+void fused_add_rms_norm_out(const Context& ctx, const at::Tensor& x, at::Tensor& residual,
+                            const OptTensor& weight, double eps, double weight_offset,
+                            at::Tensor& out);
 at::Tensor layer_norm(const Context& ctx, const at::Tensor& x, const OptTensor& weight,
                       const OptTensor& bias, double eps);
+void layer_norm_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight,
+                    const OptTensor& bias, double eps, at::Tensor& out);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const Context& ctx,
                                                               const at::Tensor& x,
                                                               const OptTensor& weight,
                                                               const OptTensor& bias, double eps);
+void layer_norm_fwd_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight,
+                        const OptTensor& bias, double eps, at::Tensor& y, at::Tensor& mean,
+                        at::Tensor& rstd);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
     const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
     const OptTensor& mean, const OptTensor& rstd, double eps, bool compute_dw, bool compute_db);
@@ -71,6 +83,16 @@ void register_kernels(torch::Library& m) {
            DeviceScope scope(x);
            return rms_norm_fwd(scope.ctx, x, weight, eps, weight_offset);
          });
+  m.impl("rms_norm.out", [](const at::Tensor& x, const OptTensor& weight, double eps,
+                            double weight_offset, at::Tensor& out) {
+    DeviceScope scope(x);
+    rms_norm_out(scope.ctx, x, weight, eps, weight_offset, out);
+  });
+  m.impl("rms_norm_fwd.out", [](const at::Tensor& x, const OptTensor& weight, double eps,
+                                double weight_offset, at::Tensor& y, at::Tensor& rstd) {
+    DeviceScope scope(x);
+    rms_norm_fwd_out(scope.ctx, x, weight, eps, weight_offset, y, rstd);
+  });
   m.impl("rms_norm_backward", [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
                                  const OptTensor& rstd, double eps, double weight_offset,
                                  bool compute_dw, const OptTensor& dx_addend) {
@@ -116,6 +138,23 @@ void register_kernels(torch::Library& m) {
            DeviceScope scope(x);
            return rms_norm_backward_from_sums(scope.ctx, dy, x, weight, rstd, sum_g_xhat, full_cols,
                                               weight_offset, compute_dw, dx_addend);
+         });
+  m.impl("fused_add_rms_norm.out",
+         [](const at::Tensor& x, at::Tensor& residual, const OptTensor& weight, double eps,
+            double weight_offset, at::Tensor& out) {
+           DeviceScope scope(x);
+           fused_add_rms_norm_out(scope.ctx, x, residual, weight, eps, weight_offset, out);
+         });
+  m.impl("layer_norm.out", [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                              double eps, at::Tensor& out) {
+    DeviceScope scope(x);
+    layer_norm_out(scope.ctx, x, weight, bias, eps, out);
+  });
+  m.impl("layer_norm_fwd.out",
+         [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
+            at::Tensor& y, at::Tensor& mean, at::Tensor& rstd) {
+           DeviceScope scope(x);
+           layer_norm_fwd_out(scope.ctx, x, weight, bias, eps, y, mean, rstd);
          });
   m.impl("layer_norm",
          [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps) {

@@ -1,5 +1,8 @@
 #include "torch_bridge.h"
 
+#include <ATen/MemoryOverlap.h>
+
+#include <cstdint>
 #include <sstream>
 
 namespace fusednorm::torch_ext {
@@ -160,10 +163,114 @@ const float* required_row_stats(const char* op, const char* argument, const at::
   return optional_row_stats(op, argument, t, x, rows, keep_alive);
 }
 
-Matrix new_rows(const at::Tensor& x, at::Tensor& out) {
+Matrix new_rows(const at::Tensor& x, DType dtype, at::Tensor& out) {
   out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   const std::int64_t cols = x.size(-1);
-  return {out.data_ptr(), to_dtype("", "", x), out.numel() / cols, cols, cols};
+  return {out.data_ptr(), dtype, out.numel() / cols, cols, cols};
+}
+
+OutputRows output_rows(const char* op, const char* argument, const at::Tensor& t,
+                       const at::Tensor& x, bool keep_contents) {
+  check_matching(op, argument, t, x);
+  if (t.scalar_type() != x.scalar_type()) {
+    fail(op, argument,
+         std::string("dtype ") + c10::toString(t.scalar_type()) + " does not match x's " +
+             c10::toString(x.scalar_type()));
+  }
+  if (at::has_internal_overlap(t) == at::MemOverlap::Yes) {
+    fail(op, argument,
+         "has internally overlapping memory (e.g. from expand()): its elements cannot all be "
+         "written");
+  }
+  OutputRows o;
+  o.target = t;
+  if (auto v = rows_without_copy(op, argument, t)) {
+    o.view = *v;
+    return o;
+  }
+  o.view.tensor =
+      keep_contents ? t.contiguous()
+                    : at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  o.view.copied = true;
+  o.view.dtype = to_dtype(op, argument, t);
+  o.view.cols = t.size(-1);
+  o.view.rows = t.numel() / o.view.cols;
+  o.view.row_stride = o.view.cols;
+  return o;
+}
+
+void OutputRows::finish() const {
+  if (view.copied) target.copy_(view.tensor);
+}
+
+float* row_stats_out(const char* op, const char* argument, const at::Tensor& t,
+                     const at::Tensor& x) {
+  if (!t.defined()) fail(op, argument, "is an undefined tensor");
+  if (t.scalar_type() != at::kFloat) {
+    fail(op, argument, std::string("dtype must be float32, got ") + c10::toString(t.scalar_type()));
+  }
+  const auto shape = row_stats_shape(x);
+  if (t.sizes() != at::IntArrayRef(shape)) {
+    std::ostringstream msg;
+    msg << "shape " << t.sizes() << " must be x.shape[:-1] = " << at::IntArrayRef(shape);
+    fail(op, argument, msg.str());
+  }
+  if (t.device() != x.device()) {
+    fail(op, argument, "is on " + t.device().str() + " but x is on " + x.device().str());
+  }
+  if (!t.is_contiguous()) fail(op, argument, "must be contiguous");
+  return t.data_ptr<float>();
+}
+
+namespace {
+
+// Half-open byte range [begin, end) that a strided tensor's elements lie in; empty when it
+// has no elements. An over-approximation for views with gaps (x[:, :k]): two interleaved
+// column slices of one tensor count as overlapping, which errs on the safe side.
+struct ByteSpan {
+  std::uintptr_t begin = 0;
+  std::uintptr_t end = 0;
+  bool overlaps(const ByteSpan& other) const {
+    return begin < end && other.begin < other.end && begin < other.end && other.begin < end;
+  }
+};
+
+ByteSpan byte_span(const at::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return {};
+  std::int64_t low = 0, high = 0;  // element offsets of the first and last element
+  for (std::int64_t i = 0; i < t.dim(); ++i) {
+    const std::int64_t reach = (t.size(i) - 1) * t.stride(i);
+    (reach < 0 ? low : high) += reach;
+  }
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+  const auto item = static_cast<std::intptr_t>(t.element_size());
+  return {static_cast<std::uintptr_t>(base + low * item),
+          static_cast<std::uintptr_t>(base + (high + 1) * item)};
+}
+
+bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         a.scalar_type() == b.scalar_type();
+}
+
+}  // namespace
+
+void check_no_overlap(const char* op, const char* argument, const at::Tensor& out,
+                      std::initializer_list<NamedInput> inputs) {
+  const ByteSpan out_span = byte_span(out);
+  for (const NamedInput& in : inputs) {
+    if (in.tensor == nullptr || !in.tensor->defined() || in.tensor->device() != out.device()) {
+      continue;
+    }
+    if (in.may_be_out && same_view(*in.tensor, out)) continue;
+    if (out_span.overlaps(byte_span(*in.tensor))) {
+      fail(op, argument,
+           std::string("overlaps the memory of '") + in.name + "'" +
+               (in.may_be_out
+                    ? std::string(" (in-place needs exactly the same view as '") + in.name + "')"
+                    : std::string()));
+    }
+  }
 }
 
 std::vector<std::int64_t> row_stats_shape(const at::Tensor& x) {

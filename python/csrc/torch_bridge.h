@@ -79,8 +79,44 @@ const float* optional_row_stats(const char* op, const char* argument,
 const float* required_row_stats(const char* op, const char* argument, const at::Tensor& t,
                                 const at::Tensor& x, std::int64_t rows, at::Tensor& keep_alive);
 
-// A fresh contiguous tensor with x's shape and dtype, and its rows x D view.
-Matrix new_rows(const at::Tensor& x, at::Tensor& out);
+// A fresh contiguous tensor with x's shape and dtype (x already checked: `dtype` is its
+// fusednorm dtype), and its rows x D view.
+Matrix new_rows(const at::Tensor& x, DType dtype, at::Tensor& out);
+
+// A row-shaped tensor the operator writes into, given by the caller: `out=` arguments, and
+// residual (read and written). It must have x's shape, dtype and device and no internally
+// overlapping memory. When its strides allow a rows x D view (the layouts the input path
+// reads without a copy) the kernel writes it directly; otherwise the kernel writes a
+// contiguous staging tensor (holding the current values when `keep_contents`, for a
+// read-modify-write argument) and finish() copies the result back.
+struct OutputRows {
+  at::Tensor target;
+  RowView view;
+
+  Matrix matrix() const { return view.matrix(); }
+  void finish() const;
+};
+OutputRows output_rows(const char* op, const char* argument, const at::Tensor& t,
+                       const at::Tensor& x, bool keep_contents);
+
+// Per-row fp32 statistics written into the caller's tensor: fp32, shape x.shape[:-1],
+// contiguous, on x's device.
+float* row_stats_out(const char* op, const char* argument, const at::Tensor& t,
+                     const at::Tensor& x);
+
+// Raises when the memory of `out` overlaps one of `inputs` (absent ones are skipped). An
+// input that is exactly `out` (same data, sizes and strides) is allowed when its
+// `may_be_out` is set: the kernels support y = x and dx = dy in place.
+struct NamedInput {
+  const char* name;
+  const at::Tensor* tensor;  // nullptr or undefined: absent
+  bool may_be_out = false;
+};
+void check_no_overlap(const char* op, const char* argument, const at::Tensor& out,
+                      std::initializer_list<NamedInput> inputs);
+inline const at::Tensor* optional_input(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? &*t : nullptr;
+}
 
 // Shape of per-row statistics: x.shape[:-1].
 std::vector<std::int64_t> row_stats_shape(const at::Tensor& x);

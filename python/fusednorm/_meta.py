@@ -1,4 +1,4 @@
-"""Fake (meta) kernels and autograd formulas of the torch.ops.fusednorm operators.
+"""Fake (meta) kernels of the torch.ops.fusednorm operators.
 
 The C++ extension names this module (``set_python_module``) and torch checks that these
 registrations come from it. ``import fusednorm`` imports it; a library loaded with
@@ -10,14 +10,17 @@ contiguous tensors of x's shape and dtype, per-row statistics are fp32 of shape
 ``x.shape[:-1]``, absent gradients are empty ``[0]`` tensors of x's dtype. They also repeat
 the cheap argument checks, so torch.compile reports a bad call while tracing.
 
-Autograd: rms_norm, rms_norm_fwd, layer_norm and layer_norm_fwd are differentiable, their
-backward being the fused backward operators (which are not differentiable themselves: no
-double backward). fused_add_rms_norm mutates ``residual`` and has no autograd formula (torch
-only accepts formulas for functional operators); its functional form fused_add_rms_norm_fwd
-(no input mutated) is differentiable, with a backward that adds the gradient reaching
-residual_out inside rms_norm_backward (``dx_addend``). The two-phase operators of the
-hidden-sharded norm (``*_partial_sum*``, ``*_from_sum*``) are building blocks without autograd:
-fusednorm.distributed composes them, with the all-reduce between, into autograd Functions.
+Autograd is registered in C++ (``csrc/autograd.cpp``: a Python registration would put a
+Python kernel on every call, gradients or not): rms_norm, rms_norm_fwd, layer_norm and
+layer_norm_fwd are differentiable, their backward being the fused backward operators (which
+are not differentiable themselves: no double backward). fused_add_rms_norm and the .out
+overloads mutate their arguments and have no autograd formula; ``fusednorm.fused_add_rms_norm``
+falls back to the unfused composite when gradients are needed. Its functional form
+fused_add_rms_norm_fwd (no input mutated) is differentiable, registered at the end of this
+file: its backward adds the gradient reaching residual_out inside rms_norm_backward
+(``dx_addend``). The two-phase operators of the hidden-sharded norm (``*_partial_sum*``,
+``*_from_sum*``) are building blocks without autograd: fusednorm.distributed composes them,
+with the all-reduce between, into autograd Functions.
 """
 
 from __future__ import annotations
@@ -196,32 +199,84 @@ def _layer_norm_backward_fake(
     return x.new_empty(x.shape), dw, db
 
 
-# ---- autograd ------------------------------------------------------------------------
+# The .out overloads write into the caller's tensors and return nothing. Their fakes repeat
+# the C++ checks that tracing can see (shape, dtype, device of every out tensor) so a bad
+# call fails while tracing with the same message, and return the out tensors themselves.
+
+
+def _check_out(op: str, name: str, out: torch.Tensor, x: torch.Tensor) -> None:
+    torch._check(
+        out.shape == x.shape,
+        lambda: f"fusednorm::{op}: argument '{name}': shape {list(out.shape)} does not match "
+        f"x's {list(x.shape)}",
+    )
+    torch._check(
+        out.dtype == x.dtype,
+        lambda: f"fusednorm::{op}: argument '{name}': dtype {out.dtype} does not match x's "
+        f"{x.dtype}",
+    )
+    torch._check(
+        out.device == x.device,
+        lambda: f"fusednorm::{op}: argument '{name}': is on {out.device} but x is on {x.device}",
+    )
+
+
+def _check_stats_out(op: str, name: str, out: torch.Tensor, x: torch.Tensor) -> None:
+    torch._check(
+        out.dtype == torch.float32 and out.shape == x.shape[:-1] and out.device == x.device,
+        lambda: f"fusednorm::{op}: argument '{name}': {out.dtype} {list(out.shape)} on "
+        f"{out.device} must be float32 {list(x.shape[:-1])} on {x.device}",
+    )
+
+
+@register_fake("fusednorm::rms_norm.out")
+def _rms_norm_out_fake(x, weight, eps=1e-6, weight_offset=0.0, *, out):
+    _check_x("rms_norm.out", x)
+    _check_vector("rms_norm.out", "weight", weight, x)
+    _check_out("rms_norm.out", "out", out, x)
+
+
+@register_fake("fusednorm::rms_norm_fwd.out")
+def _rms_norm_fwd_out_fake(x, weight, eps=1e-6, weight_offset=0.0, *, y, rstd):
+    _check_x("rms_norm_fwd.out", x)
+    _check_vector("rms_norm_fwd.out", "weight", weight, x)
+    _check_out("rms_norm_fwd.out", "y", y, x)
+    _check_stats_out("rms_norm_fwd.out", "rstd", rstd, x)
+
+
+@register_fake("fusednorm::fused_add_rms_norm.out")
+def _fused_add_rms_norm_out_fake(x, residual, weight, eps=1e-6, weight_offset=0.0, *, out):
+    _check_x("fused_add_rms_norm.out", x)
+    _check_like_x("fused_add_rms_norm.out", "residual", residual, x)
+    _check_vector("fused_add_rms_norm.out", "weight", weight, x)
+    _check_out("fused_add_rms_norm.out", "out", out, x)
+
+
+@register_fake("fusednorm::layer_norm.out")
+def _layer_norm_out_fake(x, weight, bias, eps=1e-5, *, out):
+    _check_x("layer_norm.out", x)
+    _check_vector("layer_norm.out", "weight", weight, x)
+    _check_vector("layer_norm.out", "bias", bias, x)
+    _check_out("layer_norm.out", "out", out, x)
+
+
+@register_fake("fusednorm::layer_norm_fwd.out")
+def _layer_norm_fwd_out_fake(x, weight, bias, eps=1e-5, *, y, mean, rstd):
+    _check_x("layer_norm_fwd.out", x)
+    _check_vector("layer_norm_fwd.out", "weight", weight, x)
+    _check_vector("layer_norm_fwd.out", "bias", bias, x)
+    _check_out("layer_norm_fwd.out", "y", y, x)
+    _check_stats_out("layer_norm_fwd.out", "mean", mean, x)
+    _check_stats_out("layer_norm_fwd.out", "rstd", rstd, x)
+
+
+# ---- autograd of the functional fused add ---------------------------------------------
+# Registered from Python (one Python kernel per call of this training-only operator); the
+# other operators' autograd is in C++ (csrc/autograd.cpp).
 
 
 def _as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == like.dtype else t.to(like.dtype)
-
-
-def _rms_setup(ctx, inputs, output):
-    x, weight, eps, weight_offset = inputs
-    rstd = output[1] if isinstance(output, tuple) else None
-    ctx.eps = eps
-    ctx.weight_offset = weight_offset
-    ctx.save_for_backward(x, weight, rstd)
-    if rstd is not None:
-        ctx.mark_non_differentiable(rstd)
-
-
-def _rms_backward(ctx, dy, *unused_drstd):
-    # rstd is an auxiliary output for the backward: it is not differentiable, so its
-    # incoming gradient (unused_drstd) is ignored.
-    x, weight, rstd = ctx.saved_tensors
-    want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.fusednorm.rms_norm_backward(
-        _as(dy, x), x, weight, rstd, ctx.eps, ctx.weight_offset, weight is not None and want_dw
-    )
-    return (dx if want_dx else None), (dw if want_dw else None), None, None
 
 
 def rms_norm_backward_with_addend(dy, x, weight, rstd, eps, weight_offset, compute_dw, addend):
@@ -269,30 +324,3 @@ def _fused_add_backward(ctx, dy, d_residual_out, unused_drstd):
 register_autograd(
     "fusednorm::fused_add_rms_norm_fwd", _fused_add_backward, setup_context=_fused_add_setup
 )
-register_autograd("fusednorm::rms_norm", _rms_backward, setup_context=_rms_setup)
-register_autograd("fusednorm::rms_norm_fwd", _rms_backward, setup_context=_rms_setup)
-
-
-def _layer_setup(ctx, inputs, output):
-    x, weight, bias, eps = inputs
-    mean, rstd = (output[1], output[2]) if isinstance(output, tuple) else (None, None)
-    ctx.eps = eps
-    ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.save_for_backward(x, weight, mean, rstd)
-    if mean is not None:
-        ctx.mark_non_differentiable(mean, rstd)
-
-
-def _layer_backward(ctx, dy, *unused_dstats):
-    x, weight, mean, rstd = ctx.saved_tensors
-    want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
-    dx, dw, db = torch.ops.fusednorm.layer_norm_backward(
-        _as(dy, x), x, weight, mean, rstd, ctx.eps, weight is not None and want_dw, want_db
-    )
-    if want_db and db.dtype != ctx.bias_dtype:
-        db = db.to(ctx.bias_dtype)
-    return (dx if want_dx else None), (dw if want_dw else None), (db if want_db else None), None
-
-
-register_autograd("fusednorm::layer_norm", _layer_backward, setup_context=_layer_setup)
-register_autograd("fusednorm::layer_norm_fwd", _layer_backward, setup_context=_layer_setup)

@@ -49,6 +49,20 @@ def _shape(text: str) -> tuple[int, int]:
 # ---- tensor-parallel norm ----------------------------------------------------------------
 
 
+_COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
+        "all_to_all_single",
+        "broadcast",
+    }
+)
+
+
 class _CollectiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """Records (collective, bytes of its input tensor) for every c10d functional collective."""
 
@@ -58,7 +72,7 @@ class _CollectiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] != "wait_tensor":
+        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in _COLLECTIVES:
             t = args[0]
             tensors = t if isinstance(t, (list, tuple)) else [t]
             nbytes = sum(x.numel() * x.element_size() for x in tensors)

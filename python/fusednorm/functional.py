@@ -9,7 +9,11 @@ Memory layout: an input whose last dimension is contiguous and whose leading dim
 evenly spaced rows (any contiguous tensor, a slice ``x[:, :k]``, a row-strided view, ...) is
 read in place through its strides. Any other layout (last dimension strided, broadcast
 rows) is first copied to a contiguous tensor: that one copy is the only one made. Outputs
-are always new contiguous tensors.
+are new contiguous tensors, or, with ``out=``, the caller's tensor: it must have x's shape,
+dtype and device; any layout the input path reads without a copy is written in place (any
+other through one staging copy); ``out=x`` works in place; any other overlap with an input
+raises. ``out=`` does not allocate and does not record a gradient (like ``torch``'s own
+``out=`` functions it raises when an input requires grad under grad mode).
 
 Errors (wrong dtype, integer tensors, device mismatch, weight of the wrong length) raise
 RuntimeError with a message naming the operator and the argument, e.g.
@@ -21,6 +25,19 @@ from __future__ import annotations
 import torch
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "layer_norm"]
+
+# The operator overloads, looked up once: these functions are on the per-call path of
+# decode-sized calls, where each attribute lookup and Python frame shows (measured, see
+# python/README.md "Per-call cost").
+_rms_norm = torch.ops.fusednorm.rms_norm.default
+_rms_norm_out = torch.ops.fusednorm.rms_norm.out
+_fused_add_rms_norm = torch.ops.fusednorm.fused_add_rms_norm.default
+_fused_add_rms_norm_out = torch.ops.fusednorm.fused_add_rms_norm.out
+_layer_norm = torch.ops.fusednorm.layer_norm.default
+_layer_norm_out = torch.ops.fusednorm.layer_norm.out
+
+
+_fused_add_rms_norm_fwd = torch.ops.fusednorm.fused_add_rms_norm_fwd.default
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -47,22 +64,28 @@ def rms_norm(
     weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     weight_offset: float = 0.0,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RMSNorm: ``y = x / sqrt(mean(x**2, -1) + eps) * (weight + weight_offset)``.
 
     ``weight_offset=1.0`` gives Gemma's ``(1 + w)`` with the sum taken in fp32. Without a
     weight, ``y = x * rstd`` and ``weight_offset`` is ignored.
 
-    Differentiable in ``x`` and ``weight``: when a gradient is needed the forward also keeps
-    the per-row fp32 rstd, so the fused backward does not recompute it.
+    Differentiable in ``x`` and ``weight`` (the operator's C++ autograd kernel): when a
+    gradient is needed the forward also keeps the per-row fp32 rstd, so the fused backward
+    does not recompute it.
+
+    ``out``: write y there instead of a new tensor and return it (no gradient).
 
     DTensor arguments give a DTensor with x's placements (fusednorm.distributed).
     """
-    if _any_dtensor(x, weight):
-        return _dist_module.rms_norm(x, weight, eps, weight_offset)
-    if _needs_grad(x, weight):
-        return torch.ops.fusednorm.rms_norm_fwd(x, weight, eps, weight_offset)[0]
-    return torch.ops.fusednorm.rms_norm(x, weight, eps, weight_offset)
+    if out is None:
+        if _any_dtensor(x, weight):
+            return _dist_module.rms_norm(x, weight, eps, weight_offset)
+        return _rms_norm(x, weight, eps, weight_offset)
+    _rms_norm_out(x, weight, eps, weight_offset, out=out)
+    return out
 
 
 def fused_add_rms_norm(
@@ -72,6 +95,8 @@ def fused_add_rms_norm(
     eps: float = 1e-6,
     weight_offset: float = 0.0,
     inplace: bool = True,
+    *,
+    out: torch.Tensor | None = None,
 ):
     """Residual add then RMSNorm, in one pass over memory: ``s = x + residual`` (rounded to
     residual's dtype), ``y = rms_norm(s, weight, eps, weight_offset)``.
@@ -82,7 +107,8 @@ def fused_add_rms_norm(
     and ``y`` is returned. ``residual`` must not overlap ``x``; if its strides do not allow a
     rows x D view it is updated through a temporary contiguous copy. The in-place operator
     has no autograd formula, so when a gradient is needed this runs the unfused composite
-    ``residual.add_(x); rms_norm(residual, ...)`` instead.
+    ``residual.add_(x); rms_norm(residual, ...)`` instead. ``out``: write y there instead of
+    a new tensor and return it (no gradient); ``out=x`` works in place.
 
     ``inplace=False`` (for training): no input is mutated and ``(y, residual_out)`` is
     returned, ``residual_out = s``. Differentiable in x, residual and weight with a fused
@@ -91,21 +117,24 @@ def fused_add_rms_norm(
     residual. DTensor arguments are accepted in this form (fusednorm.distributed).
     """
     if not inplace:
+        if out is not None:
+            raise TypeError("fusednorm.fused_add_rms_norm: out= needs inplace=True")
         if _any_dtensor(x, residual, weight):
             return _dist_module.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
-        y, residual_out, _ = torch.ops.fusednorm.fused_add_rms_norm_fwd(
-            x, residual, weight, eps, weight_offset
-        )
+        y, residual_out, _ = _fused_add_rms_norm_fwd(x, residual, weight, eps, weight_offset)
         return y, residual_out
     if _any_dtensor(x, residual, weight):
         raise TypeError(
             "fusednorm.fused_add_rms_norm: DTensor arguments need inplace=False (the "
             "in-place form cannot rebind a DTensor residual's shards)"
         )
+    if out is not None:
+        _fused_add_rms_norm_out(x, residual, weight, eps, weight_offset, out=out)
+        return out
     if _needs_grad(x, residual, weight):
         residual.add_(x)
-        return rms_norm(residual, weight, eps, weight_offset)
-    return torch.ops.fusednorm.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+        return _rms_norm(residual, weight, eps, weight_offset)
+    return _fused_add_rms_norm(x, residual, weight, eps, weight_offset)
 
 
 def layer_norm(
@@ -113,13 +142,19 @@ def layer_norm(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LayerNorm over the last dimension: ``(x - mean) * rstd * weight + bias`` with the
     biased variance, like ``torch.nn.functional.layer_norm(x, (D,), weight, bias, eps)``.
-    Differentiable in ``x``, ``weight`` and ``bias``. DTensor arguments (rows sharded or
-    replicated) give a DTensor with x's placements (fusednorm.distributed)."""
-    if _any_dtensor(x, weight, bias):
-        return _dist_module.layer_norm(x, weight, bias, eps)
-    if _needs_grad(x, weight, bias):
-        return torch.ops.fusednorm.layer_norm_fwd(x, weight, bias, eps)[0]
-    return torch.ops.fusednorm.layer_norm(x, weight, bias, eps)
+    Differentiable in ``x``, ``weight`` and ``bias``.
+
+    ``out``: write y there instead of a new tensor and return it (no gradient). DTensor
+    arguments (rows sharded or replicated) give a DTensor with x's placements
+    (fusednorm.distributed)."""
+    if out is None:
+        if _any_dtensor(x, weight, bias):
+            return _dist_module.layer_norm(x, weight, bias, eps)
+        return _layer_norm(x, weight, bias, eps)
+    _layer_norm_out(x, weight, bias, eps, out=out)
+    return out

@@ -38,9 +38,16 @@ void store_fence() {
 }
 
 // body(i) for i in [0, count), statically scheduled over `threads` threads. Each thread
-// ends with a store fence, since the row kernels may have streamed their output.
+// ends with a store fence, since the row kernels may have streamed their output. One thread
+// runs the loop in place: entering even a one-thread OpenMP region is a call into the
+// runtime that a one-row call (1 x 4096, about 1 us) would notice.
 template <typename Body>
 void parallel_for(int threads, std::int64_t count, Body body) {
+  if (threads <= 1) {
+    for (std::int64_t i = 0; i < count; ++i) body(i);
+    store_fence();
+    return;
+  }
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static) nowait
@@ -56,8 +63,8 @@ Ptr advance(Ptr base, std::int64_t elements, std::size_t element_size) {
                           elements * static_cast<std::int64_t>(element_size));
 }
 
-// A weight or bias as fp32 with weight_offset folded in; borrows the caller's buffer when no
-// conversion is needed.
+// The backward's weight as fp32 with weight_offset folded in; borrows the caller's buffer
+// when no conversion is needed. (The forward kernels read weights in their own dtype.)
 class PreparedVector {
  public:
   PreparedVector(ConstVector v, float offset) {
@@ -104,10 +111,6 @@ bool stream_output(std::int64_t rows, std::int64_t cols, DType dtype) {
   const std::size_t row_bytes = static_cast<std::size_t>(cols) * dtype_size(dtype);
   if (override_bytes == nullptr && row_bytes < kMinStreamRowBytes) return false;
   return static_cast<std::size_t>(rows) * row_bytes >= min_bytes;
-}
-
-float rstd_from_mean_square(float mean_square, float eps) {
-  return 1.0f / std::sqrt(mean_square + eps);
 }
 
 // Chunked reduction over columns [0, cols) of one row, in the fixed order shared with the
@@ -157,24 +160,25 @@ RowStats compute_row_stats(std::int64_t cols, bool is_centered, float eps, First
   return {mean, rstd_from_mean_square(mean_square, eps)};
 }
 
-// Everything the forward path needs about one call, resolved once.
+// Everything the forward path needs about one call, resolved once; nothing is allocated.
 struct ForwardCall {
   const ForwardProblem& p;
   const DTypeKernels& k;
   std::size_t esize;
-  PreparedVector weight;
-  PreparedVector bias;
   bool centered;
   bool stream;
+  ParamType weight_type, bias_type;
+  float weight_offset;  // as the kernels add it
 
-  ForwardCall(const ForwardProblem& problem)
+  explicit ForwardCall(const ForwardProblem& problem)
       : p(problem),
         k(row_kernels().by_dtype[static_cast<int>(problem.x.dtype)]),
         esize(dtype_size(problem.x.dtype)),
-        weight(problem.weight, problem.kind == NormKind::kRms ? problem.weight_offset : 0.0f),
-        bias(problem.bias, 0.0f),
         centered(problem.kind == NormKind::kLayer),
-        stream(stream_output(problem.rows(), problem.cols(), problem.x.dtype)) {}
+        stream(stream_output(problem.rows(), problem.cols(), problem.x.dtype)),
+        weight_type(param_type(problem.weight)),
+        bias_type(param_type(problem.bias)),
+        weight_offset(kernel_weight_offset(centered ? 0.0f : problem.weight_offset)) {}
 
   const void* x_row(std::int64_t r) const { return advance(p.x.data, r * p.x.row_stride, esize); }
   void* residual_row(std::int64_t r) const {
@@ -201,10 +205,12 @@ struct ForwardCall {
     return k.sum_squares[1](advance(x_row(r), begin, esize), n, mean);
   }
   void normalize(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd) const {
-    const auto fn = k.normalize[stream][centered][weight.present()][bias.present()];
-    fn(advance(source_row(r), begin, esize), weight.present() ? weight.data() + begin : nullptr,
-       bias.present() ? bias.data() + begin : nullptr, advance(y_row(r), begin, esize), n, mean,
-       rstd);
+    const auto fn = k.normalize[stream][centered][weight_type][bias_type];
+    fn(advance(source_row(r), begin, esize), param_at(p.weight, begin), param_at(p.bias, begin),
+       advance(y_row(r), begin, esize), n, mean, rstd, weight_offset);
+  }
+  static const void* param_at(const ConstVector& v, std::int64_t begin) {
+    return v.data == nullptr ? nullptr : advance(v.data, begin, dtype_size(v.dtype));
   }
   // Row r's statistics: from the whole row's sum of squares (phase 2 of a two-phase call),
   // else computed from the row.
@@ -237,24 +243,32 @@ void forward_rows(const ForwardCall& call, std::int64_t begin, std::int64_t end)
   }
 }
 
-// Few long rows: every phase runs over (row, chunk) tasks, and per-row sums are added
-// in chunk order, exactly as chunked_sum does.
+// Few long rows (at most kMaxSplitRows): every phase runs over (row, chunk) tasks, and
+// per-row sums are added in chunk order, exactly as chunked_sum does. The chunk partials
+// live in a fixed stack buffer: a row longer than the buffer holds is reduced in windows of
+// chunks, each window's partials added to the row totals in order, so nothing is allocated.
 void forward_split_rows(const ForwardCall& call, int threads) {
+  constexpr std::int64_t kPartials = 4096;  // 16 KiB
+  static_assert(kPartials >= kMaxSplitRows, "one chunk of every row must fit");
   const std::int64_t rows = call.p.rows(), cols = call.p.cols();
   const std::int64_t chunks = ceil_div(cols, kReduceChunk);
-  const std::int64_t tasks = rows * chunks;
-  std::vector<float> partial(static_cast<std::size_t>(tasks));
-  std::vector<float> mean(static_cast<std::size_t>(rows), 0.0f),
-      rstd(static_cast<std::size_t>(rows));
-  auto chunk_of = [&](std::int64_t t, std::int64_t* r, std::int64_t* begin, std::int64_t* n) {
-    *r = t / chunks;
-    *begin = (t % chunks) * kReduceChunk;
-    *n = std::min(kReduceChunk, cols - *begin);
-  };
-  auto row_total = [&](std::int64_t r) {
-    float total = 0.0f;
-    for (std::int64_t c = 0; c < chunks; ++c) total += partial[r * chunks + c];
-    return total;
+  const std::int64_t window = std::min(chunks, kPartials / rows);
+  float partial[kPartials];
+  float total[kMaxSplitRows], mean[kMaxSplitRows], rstd[kMaxSplitRows];
+
+  // total[r] = sum over chunks, in order, of stat(r, begin, n).
+  auto reduce = [&](auto stat) {
+    std::fill(total, total + rows, 0.0f);
+    for (std::int64_t first = 0; first < chunks; first += window) {
+      const std::int64_t count = std::min(window, chunks - first);
+      parallel_for(threads, rows * count, [&](std::int64_t t) {
+        const std::int64_t r = t / count, begin = (first + t % count) * kReduceChunk;
+        partial[t] = stat(r, begin, std::min(kReduceChunk, cols - begin));
+      });
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t c = 0; c < count; ++c) total[r] += partial[r * count + c];
+      }
+    }
   };
 
   if (call.p.phase == Phase::kFromSums) {
@@ -262,38 +276,61 @@ void forward_split_rows(const ForwardCall& call, int threads) {
       rstd[r] = call.row_stats(r).rstd;
       call.store_stats(r, 0.0f, rstd[r]);
     }
-    parallel_for(threads, tasks, [&](std::int64_t t) {
-      std::int64_t r, begin, n;
-      chunk_of(t, &r, &begin, &n);
-      call.normalize(r, begin, n, 0.0f, rstd[r]);
+    parallel_for(threads, rows * chunks, [&](std::int64_t t) {
+      const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
+      call.normalize(r, begin, std::min(kReduceChunk, cols - begin), 0.0f, rstd[r]);
     });
     return;
   }
-  parallel_for(threads, tasks, [&](std::int64_t t) {
-    std::int64_t r, begin, n;
-    chunk_of(t, &r, &begin, &n);
-    partial[t] = call.first_stat(r, begin, n);
+  reduce([&](std::int64_t r, std::int64_t begin, std::int64_t n) {
+    return call.first_stat(r, begin, n);
   });
   if (call.p.phase == Phase::kPartialSums) {
-    for (std::int64_t r = 0; r < rows; ++r) call.p.partial_sum_squares[r] = row_total(r);
+    for (std::int64_t r = 0; r < rows; ++r) call.p.partial_sum_squares[r] = total[r];
     return;
   }
+  std::fill(mean, mean + rows, 0.0f);
   if (call.centered) {
-    for (std::int64_t r = 0; r < rows; ++r) mean[r] = row_total(r) / static_cast<float>(cols);
-    parallel_for(threads, tasks, [&](std::int64_t t) {
-      std::int64_t r, begin, n;
-      chunk_of(t, &r, &begin, &n);
-      partial[t] = call.centered_stat(r, begin, n, mean[r]);
+    for (std::int64_t r = 0; r < rows; ++r) mean[r] = total[r] / static_cast<float>(cols);
+    reduce([&](std::int64_t r, std::int64_t begin, std::int64_t n) {
+      return call.centered_stat(r, begin, n, mean[r]);
     });
   }
   for (std::int64_t r = 0; r < rows; ++r) {
-    rstd[r] = rstd_from_mean_square(row_total(r) / static_cast<float>(cols), call.p.eps);
+    rstd[r] = rstd_from_mean_square(total[r] / static_cast<float>(cols), call.p.eps);
     call.store_stats(r, mean[r], rstd[r]);
   }
-  parallel_for(threads, tasks, [&](std::int64_t t) {
-    std::int64_t r, begin, n;
-    chunk_of(t, &r, &begin, &n);
-    call.normalize(r, begin, n, mean[r], rstd[r]);
+  parallel_for(threads, rows * chunks, [&](std::int64_t t) {
+    const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
+    call.normalize(r, begin, std::min(kReduceChunk, cols - begin), mean[r], rstd[r]);
+  });
+}
+
+// Many short RMSNorm rows (D <= kMaxShortRow, not streamed): blocks of rows through the
+// multi-row kernel, which gives each row the bits of the one-row path.
+constexpr std::int64_t kShortRowsPerTask = 64;
+bool use_short_rows(const ForwardCall& call) {
+  return !call.centered && !call.stream && call.p.cols() <= kMaxShortRow;
+}
+void forward_short_rows(const ForwardCall& call, int threads) {
+  const ForwardProblem& p = call.p;
+  const RmsRowsFn fn = call.k.rms_rows[p.has_residual()][call.weight_type];
+  parallel_for(threads, ceil_div(p.rows(), kShortRowsPerTask), [&](std::int64_t task) {
+    const std::int64_t first = task * kShortRowsPerTask;
+    RmsRows block;
+    block.x = call.x_row(first);
+    block.x_stride = p.x.row_stride;
+    block.residual = p.has_residual() ? call.residual_row(first) : nullptr;
+    block.residual_stride = p.residual.row_stride;
+    block.y = call.y_row(first);
+    block.y_stride = p.y.row_stride;
+    block.w = p.weight.data;
+    block.w_offset = call.weight_offset;
+    block.eps = p.eps;
+    block.rstd = p.rstd != nullptr ? p.rstd + first : nullptr;
+    block.rows = std::min(kShortRowsPerTask, p.rows() - first);
+    block.n = p.cols();
+    fn(block);
   });
 }
 
@@ -594,7 +631,8 @@ ThreadPlan plan_threads(std::int64_t rows, std::int64_t cols, std::size_t bytes_
       static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(available, by_size)));
   // A row is split across threads only when there are too few rows to go round and each
   // thread still gets at least one whole chunk.
-  const bool split = threads > 1 && rows < threads && cols >= 2 * kReduceChunk;
+  const bool split =
+      threads > 1 && rows < threads && rows <= kMaxSplitRows && cols >= 2 * kReduceChunk;
   return {threads, split};
 }
 
@@ -616,6 +654,11 @@ void forward(const ForwardProblem& p, int num_threads) {
       p.partial_sum_squares[r] = chunked_sum(
           p.cols(), [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); });
     });
+    return;
+  }
+  // The multi-row kernel computes each row's statistics itself: whole rows only.
+  if (p.phase == Phase::kWhole && use_short_rows(call)) {
+    forward_short_rows(call, plan.threads);
     return;
   }
   const std::int64_t batch = rows_per_batch(p.cols(), call.esize, call.stream);

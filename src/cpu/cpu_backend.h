@@ -27,6 +27,10 @@ struct RowBlocks {
 };
 RowBlocks row_blocks(std::int64_t rows);
 
+// Rows are split across threads only when there are at most this many (the split path keeps
+// its per-row state on the stack).
+constexpr std::int64_t kMaxSplitRows = 64;
+
 // How a call is spread over threads (exposed for tests and the benchmark's report).
 struct ThreadPlan {
   int threads;      // threads actually used

@@ -297,11 +297,11 @@ float Sum(const void* x_ptr, int64_t n) {
   return hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
 }
 
+// Sum of (x - center)^2 (of x^2 when not centered) over one row; inlined into the one-row
+// kernel and the multi-row RmsRows, so both sum in the same order and give the same bits.
 template <typename T, bool kCentered>
-float SumSquares(const void* x_ptr, int64_t n, float center) {
-  const DF df;
+HWY_INLINE float SumSquaresOfRow(DF df, const T* x, int64_t n, float center) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  const T* x = static_cast<const T*>(x_ptr);
   const VF c = hn::Set(df, center);
   auto deviation = [&](VF v) { return kCentered ? hn::Sub(v, c) : v; };
   VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
@@ -325,12 +325,16 @@ float SumSquares(const void* x_ptr, int64_t n, float center) {
   return hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
 }
 
+template <typename T, bool kCentered>
+float SumSquares(const void* x, int64_t n, float center) {
+  return SumSquaresOfRow<T, kCentered>(DF(), static_cast<const T*>(x), n, center);
+}
+
+// residual <- round(x + residual) over one row; returns the sum of squares of the rounded
+// residual. Shared by the one-row kernel and RmsRows, as SumSquaresOfRow is.
 template <typename T>
-float AddResidual(const void* x_ptr, void* residual_ptr, int64_t n) {
-  const DF df;
+HWY_INLINE float AddResidualOfRow(DF df, const T* x, T* residual, int64_t n) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  const T* x = static_cast<const T*>(x_ptr);
-  T* residual = static_cast<T*>(residual_ptr);
   VF acc = hn::Zero(df);
   int64_t i = 0;
   for (; i + N <= n; i += N) {
@@ -350,21 +354,86 @@ float AddResidual(const void* x_ptr, void* residual_ptr, int64_t n) {
   return hn::GetLane(hn::SumOfLanes(df, acc));
 }
 
-template <typename T, bool kStream, bool kCentered, bool kWeight, bool kBias>
-void Normalize(const void* x_ptr, const float* w, const float* b, void* y_ptr, int64_t n,
-               float mean, float rstd) {
+template <typename T>
+float AddResidual(const void* x, void* residual, int64_t n) {
+  return AddResidualOfRow<T>(DF(), static_cast<const T*>(x), static_cast<T*>(residual), n);
+}
+
+// A weight or bias element vector: W is float or the rows' type, void when there is none.
+template <typename W, class IsFull>
+VF LoadParam(IsFull full, DF df, const void* p, int64_t i, size_t count) {
+  return LoadElements(full, df, static_cast<const W*>(p) + i, count);
+}
+
+template <typename T, bool kStream, bool kCentered, typename W, typename B>
+void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int64_t n, float mean,
+               float rstd, float w_offset) {
   const DF df;
   const T* x = static_cast<const T*>(x_ptr);
   const VF vmean = hn::Set(df, mean);
   const VF vrstd = hn::Set(df, rstd);
+  const VF voffset = hn::Set(df, w_offset);
   WriteRow<T, kStream>(df, static_cast<T*>(y_ptr), n, [=](auto full, int64_t i, size_t count) {
     VF out = LoadElements(full, df, x + i, count);
-    if (kCentered) out = hn::Sub(out, vmean);
+    if constexpr (kCentered) out = hn::Sub(out, vmean);
     out = hn::Mul(out, vrstd);
-    if (kWeight) out = hn::Mul(out, LoadElements(full, df, w + i, count));
-    if (kBias) out = hn::Add(out, LoadElements(full, df, b + i, count));
+    if constexpr (!std::is_void_v<W>) {
+      out = hn::Mul(out, hn::Add(LoadParam<W>(full, df, w, i, count), voffset));
+    }
+    if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, df, b, i, count));
     return out;
   });
+}
+
+// RMSNorm of rows.rows short rows, kGroup at a time: the sums of squares of a group first
+// (independent chains that overlap), then the group's outputs, each weight vector loaded
+// once for the group. Rows that do not fill a group run through kGroup = 1, the same code.
+template <typename T, bool kResidual, typename W, size_t kGroup>
+void RmsRowGroup(const RmsRows& rows, int64_t first) {
+  const DF df;
+  const int64_t n = rows.n;
+  std::array<const T*, kGroup> source;
+  std::array<T*, kGroup> out;
+  std::array<VF, kGroup> vrstd;
+  for (size_t k = 0; k < kGroup; ++k) {
+    const int64_t r = first + static_cast<int64_t>(k);
+    const T* x = static_cast<const T*>(rows.x) + r * rows.x_stride;
+    float sum;
+    if constexpr (kResidual) {
+      T* residual = static_cast<T*>(rows.residual) + r * rows.residual_stride;
+      sum = AddResidualOfRow<T>(df, x, residual, n);
+      source[k] = residual;
+    } else {
+      sum = SumSquaresOfRow<T, false>(df, x, n, 0.0f);
+      source[k] = x;
+    }
+    const float rstd = rstd_from_mean_square(sum / static_cast<float>(n), rows.eps);
+    if (rows.rstd != nullptr) rows.rstd[r] = rstd;
+    vrstd[k] = hn::Set(df, rstd);
+    out[k] = static_cast<T*>(rows.y) + r * rows.y_stride;
+  }
+  const VF voffset = hn::Set(df, rows.w_offset);
+  const void* w = rows.w;
+  WriteRows<T, false, kGroup>(df, out, n, [=](auto full, int64_t i, size_t count) {
+    VF wv = hn::Zero(df);
+    if constexpr (!std::is_void_v<W>) wv = hn::Add(LoadParam<W>(full, df, w, i, count), voffset);
+    std::array<VF, kGroup> result;
+    for (size_t k = 0; k < kGroup; ++k) {
+      result[k] = hn::Mul(LoadElements(full, df, source[k] + i, count), vrstd[k]);
+      if constexpr (!std::is_void_v<W>) result[k] = hn::Mul(result[k], wv);
+    }
+    return result;
+  });
+}
+
+template <typename T, bool kResidual, typename W>
+void RmsRowsKernel(const RmsRows& rows) {
+  constexpr size_t kGroup = 4;
+  int64_t r = 0;
+  for (; r + static_cast<int64_t>(kGroup) <= rows.rows; r += kGroup) {
+    RmsRowGroup<T, kResidual, W, kGroup>(rows, r);
+  }
+  for (; r < rows.rows; ++r) RmsRowGroup<T, kResidual, W, 1>(rows, r);
 }
 
 template <typename T, bool kCentered, bool kWeight>
@@ -469,18 +538,56 @@ void FillApply(ApplyTable& apply, PairTable& pair) {
       &BackwardApplyPair<T, kStream, kCentered, kWeight, kDw, kDb, kAddend>;
 }
 
+// The table slots (ParamType) of a weight or bias of type W (void: none) next to rows of
+// type T; -1 for none. For fp32 rows, the rows' dtype is fp32: both slots.
+template <typename T, typename W>
+constexpr std::array<int, 2> kParamSlots =
+    std::is_void_v<W> ? std::array<int, 2>{kNoParam, -1}
+    : std::is_same_v<W, float>
+        ? std::array<int, 2>{kFloat32Param, std::is_same_v<T, float> ? kElementParam : -1}
+        : std::array<int, 2>{kElementParam, -1};
+
+template <typename T, bool kStream, bool kCentered, typename W, typename B>
+void SetNormalize(NormalizeFn (&table)[3][3]) {
+  for (const int pw : kParamSlots<T, W>) {
+    for (const int pb : kParamSlots<T, B>) {
+      if (pw >= 0 && pb >= 0) table[pw][pb] = &Normalize<T, kStream, kCentered, W, B>;
+    }
+  }
+}
+
+// Every weight type with bias type B.
+template <typename T, bool kStream, bool kCentered, typename B>
+void SetNormalizeWeights(NormalizeFn (&table)[3][3]) {
+  SetNormalize<T, kStream, kCentered, void, B>(table);
+  SetNormalize<T, kStream, kCentered, float, B>(table);
+  if constexpr (!std::is_same_v<T, float>) SetNormalize<T, kStream, kCentered, T, B>(table);
+}
+
+template <typename T, bool kResidual, typename W>
+void SetRmsRows(RmsRowsFn (&table)[3]) {
+  for (const int pw : kParamSlots<T, W>) {
+    if (pw >= 0) table[pw] = &RmsRowsKernel<T, kResidual, W>;
+  }
+}
+
+template <typename T, bool kResidual>
+void SetRmsRowsWeights(RmsRowsFn (&table)[3]) {
+  SetRmsRows<T, kResidual, void>(table);
+  SetRmsRows<T, kResidual, float>(table);
+  if constexpr (!std::is_same_v<T, float>) SetRmsRows<T, kResidual, T>(table);
+}
+
 template <typename T, bool kStream>
 void FillWriters(DTypeKernels* k) {
+  // [centered][weight][bias]; RMSNorm has no bias, so [0][*][1 and 2] stay null. For fp32
+  // rows the rows' dtype is fp32: both ParamTypes get the same kernels.
   auto& normalize = k->normalize[kStream];
-  normalize[0][0][0] = &Normalize<T, kStream, false, false, false>;
-  normalize[0][0][1] = &Normalize<T, kStream, false, false, true>;
-  normalize[0][1][0] = &Normalize<T, kStream, false, true, false>;
-  normalize[0][1][1] = &Normalize<T, kStream, false, true, true>;
-  normalize[1][0][0] = &Normalize<T, kStream, true, false, false>;
-  normalize[1][0][1] = &Normalize<T, kStream, true, false, true>;
-  normalize[1][1][0] = &Normalize<T, kStream, true, true, false>;
-  normalize[1][1][1] = &Normalize<T, kStream, true, true, true>;
-  // RMSNorm has no bias, so [0][*][*][1] stays null; only RMSNorm takes an addend.
+  SetNormalizeWeights<T, kStream, false, void>(normalize[0]);
+  SetNormalizeWeights<T, kStream, true, void>(normalize[1]);
+  SetNormalizeWeights<T, kStream, true, float>(normalize[1]);
+  if constexpr (!std::is_same_v<T, float>) SetNormalizeWeights<T, kStream, true, T>(normalize[1]);
+  // Only RMSNorm (not centered, no bias gradient) takes a dx addend.
   auto& apply = k->backward_apply[kStream];
   auto& pair = k->backward_apply_pair[kStream];
   FillApply<T, kStream, false, false, false, false, false>(apply, pair);
@@ -503,6 +610,8 @@ void FillDType(DTypeKernels* k) {
   k->sum_squares[0] = &SumSquares<T, false>;
   k->sum_squares[1] = &SumSquares<T, true>;
   k->add_residual = &AddResidual<T>;
+  SetRmsRowsWeights<T, false>(k->rms_rows[0]);
+  SetRmsRowsWeights<T, true>(k->rms_rows[1]);
   k->backward_dots[0][0] = &BackwardDots<T, false, false>;
   k->backward_dots[0][1] = &BackwardDots<T, false, true>;
   k->backward_dots[1][0] = &BackwardDots<T, true, false>;
@@ -524,32 +633,71 @@ void FillRowKernels(RowKernels* kernels) {
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include <cctype>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
 namespace fusednorm::cpu {
 
 HWY_EXPORT(FillRowKernels);
 
-const RowKernels& row_kernels() {
-  static const RowKernels kernels = [] {
+namespace {
+
+// Guards Highway's process-global target mock, set while a chosen target's table is built.
+std::mutex& target_mock_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+RowKernels kernels_for_target(std::int64_t target) {
+  hwy::SetSupportedTargetsForTest(target);
+  RowKernels k;
+  HWY_DYNAMIC_DISPATCH(FillRowKernels)(&k);
+  hwy::SetSupportedTargetsForTest(0);
+  return k;
+}
+
+bool same_name(const char* a, const std::string& b) {
+  const std::string left(a);
+  return left.size() == b.size() &&
+         std::equal(left.begin(), left.end(), b.begin(), [](char x, char y) {
+           return std::toupper(static_cast<unsigned char>(x)) ==
+                  std::toupper(static_cast<unsigned char>(y));
+         });
+}
+
+RowKernels choose_kernels() {
+  const char* const chosen = std::getenv("FUSEDNORM_CPU_TARGET");
+  if (chosen == nullptr || *chosen == '\0') {
     RowKernels k;
     HWY_DYNAMIC_DISPATCH(FillRowKernels)(&k);
     return k;
-  }();
+  }
+  std::lock_guard<std::mutex> lock(target_mock_mutex());
+  std::string available;
+  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    if (same_name(hwy::TargetName(target), chosen)) return kernels_for_target(target);
+    available += std::string(available.empty() ? "" : ", ") + hwy::TargetName(target);
+  }
+  throw Error(
+      std::string("fusednorm: environment variable FUSEDNORM_CPU_TARGET: '") + chosen +
+      "' is not a SIMD target of this build that this CPU supports (those are: " + available + ")");
+}
+
+}  // namespace
+
+const RowKernels& row_kernels() {
+  static const RowKernels kernels = choose_kernels();
   return kernels;
 }
 
 std::vector<TargetKernels> kernels_for_all_supported_targets() {
-  static std::mutex mutex;  // the target mock below is process-global
-  std::lock_guard<std::mutex> lock(mutex);
+  std::lock_guard<std::mutex> lock(target_mock_mutex());
   std::vector<TargetKernels> result;
-  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    RowKernels k;
-    HWY_DYNAMIC_DISPATCH(FillRowKernels)(&k);
-    result.push_back({hwy::TargetName(target), k});
+  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    result.push_back({hwy::TargetName(target), kernels_for_target(target)});
   }
-  hwy::SetSupportedTargetsForTest(0);
   return result;
 }
 

@@ -6,10 +6,13 @@
 // Writers come in two flavours: [0] ordinary stores, [1] non-temporal (streaming) stores
 // for outputs too large to stay in the caches.
 //
-// Weights and biases reach these kernels already converted to fp32 (weight_offset folded
-// in), so the element type T of x / y / dy / dx is the only dtype dimension.
+// The forward kernels read a weight or bias in the dtype it is stored in (fp32 or the rows'
+// own dtype) and add RMSNorm's weight_offset in fp32 as they load it, which gives the bits
+// of folding the offset in first: no per-call conversion or buffer. The backward kernels
+// take the weight as fp32 with the offset folded in.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -18,15 +21,57 @@
 
 namespace fusednorm::cpu {
 
+// How a forward kernel finds a weight or bias: absent, fp32, or in the rows' dtype (for fp32
+// rows the last two are the same kernels).
+enum ParamType : int { kNoParam = 0, kFloat32Param = 1, kElementParam = 2 };
+inline ParamType param_type(const ConstVector& v) {
+  if (v.data == nullptr) return kNoParam;
+  return v.dtype == DType::kFloat32 ? kFloat32Param : kElementParam;
+}
+
+// rstd from the mean of squares: the one formula of the forward, the backward's
+// recomputation and the multi-row kernels.
+inline float rstd_from_mean_square(float mean_square, float eps) {
+  return 1.0f / std::sqrt(mean_square + eps);
+}
+
+// The weight offset as the kernels add it: without one, -0.0f, which leaves every value,
+// -0.0 included, unchanged (+0.0f would turn a -0.0 weight into +0.0).
+inline float kernel_weight_offset(float weight_offset) {
+  return weight_offset == 0.0f ? -0.0f : weight_offset;
+}
+
 // Sum of x.
 using SumFn = float (*)(const void* x, std::int64_t n);
 // Sum of (x - center)^2; the uncentered (RMSNorm) variant ignores center.
 using SumSquaresFn = float (*)(const void* x, std::int64_t n, float center);
 // residual <- round(x + residual); returns the sum of squares of the rounded residual.
 using AddResidualFn = float (*)(const void* x, void* residual, std::int64_t n);
-// y = (x - mean) * rstd [* w] [+ b].
-using NormalizeFn = void (*)(const void* x, const float* w, const float* b, void* y, std::int64_t n,
-                             float mean, float rstd);
+// y = (x - mean) * rstd [* (w + w_offset)] [+ b]; w and b in the dtypes of the table slot
+// (ParamType). w_offset comes from kernel_weight_offset().
+using NormalizeFn = void (*)(const void* x, const void* w, const void* b, void* y, std::int64_t n,
+                             float mean, float rstd, float w_offset);
+
+// A block of RMSNorm rows short enough to be normalized in one pass each (D up to
+// kMaxShortRow): the statistics of several rows are gathered at once, and each weight vector
+// is loaded once for all of them. Per row, the arithmetic (and so every bit) is that of
+// sum_squares / add_residual followed by normalize: a row's result does not depend on the
+// rows it is grouped with. Strides are in elements; residual is null without the fused add.
+struct RmsRows {
+  const void* x;
+  std::int64_t x_stride;
+  void* residual;
+  std::int64_t residual_stride;
+  void* y;
+  std::int64_t y_stride;
+  const void* w;
+  float w_offset;  // from kernel_weight_offset()
+  float eps;
+  float* rstd;  // one per row, or null
+  std::int64_t rows, n;
+};
+using RmsRowsFn = void (*)(const RmsRows& rows);
+constexpr std::int64_t kMaxShortRow = 1024;
 // With x_hat = (x - mean) * rstd and g = dy [* w]: sum of g * x_hat, and (centered only)
 // sum of g.
 using BackwardDotsFn = void (*)(const void* dy, const void* x, const float* w, std::int64_t n,
@@ -60,8 +105,9 @@ struct DTypeKernels {
   SumFn sum;
   SumSquaresFn sum_squares[2];  // [centered]
   AddResidualFn add_residual;
-  NormalizeFn normalize[2][2][2][2];                       // [stream][centered][weight][bias]
-  BackwardDotsFn backward_dots[2][2];                      // [centered][weight]
+  NormalizeFn normalize[2][2][3][3];   // [stream][centered][weight ParamType][bias ParamType]
+  RmsRowsFn rms_rows[2][3];            // [fused residual add][weight ParamType]
+  BackwardDotsFn backward_dots[2][2];  // [centered][weight]
   // [stream][centered][weight][dw][db][addend]; the addend variants are RMSNorm's only.
   BackwardApplyFn backward_apply[2][2][2][2][2][2];
   BackwardApplyPairFn backward_apply_pair[2][2][2][2][2][2];  // as backward_apply
@@ -72,7 +118,11 @@ struct RowKernels {
   const char* target_name;
 };
 
-// The kernels of the best SIMD target this CPU supports (chosen once, thread-safe).
+// The kernels of the best SIMD target this CPU supports (chosen once, thread-safe), or of
+// the target named by the environment variable FUSEDNORM_CPU_TARGET (a Highway target name
+// such as AVX2, AVX3, SSE4, EMU128; case-insensitive) to run and time a chosen target on a
+// CPU that supports more. A name that is not compiled in or not supported by this CPU
+// throws fusednorm::Error listing the ones that are.
 const RowKernels& row_kernels();
 
 // Tests: the kernels of every target compiled into this binary that this CPU can run.
