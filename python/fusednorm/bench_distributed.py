@@ -171,9 +171,12 @@ def tp_table(world: int, rows: int, cols: int, dtype_name: str, repeats: int) ->
         p.join()
         if p.exitcode != 0:
             raise RuntimeError(f"bench_distributed: a rank exited with {p.exitcode}")
+    from .bench import simd_target
+
     print(
         f"\nHidden-sharded RMSNorm, {rows}x{cols} {dtype_name}, Shard(-1) over {world} gloo "
-        f"processes (CPU, 1 thread each), median of {repeats}; distributed vs gather "
+        f"processes (CPU {simd_target()}, 1 thread each), median of {repeats}; "
+        f"distributed vs gather "
         f"max normalized difference {per_rank[0]['err']:.2g}"
     )
     print("| mode | impl | median ms (slowest rank) | collectives per call | bytes per rank |")
@@ -198,9 +201,12 @@ def tp_table(world: int, rows: int, cols: int, dtype_name: str, repeats: int) ->
 def fused_add_table(rows: int, cols: int, dtype_names: list[str], repeats: int) -> None:
     import fusednorm
 
+    from .bench import simd_target
+
     print(
         f"\nFused add + RMSNorm training step (forward + backward of y and residual_out), "
-        f"{rows}x{cols}, {torch.get_num_threads()} threads, median of {repeats}"
+        f"{rows}x{cols}, CPU {simd_target()}, {torch.get_num_threads()} threads, "
+        f"median of {repeats}"
     )
     print("| dtype | impl | median ms | vs composite | max normalized diff vs fused |")
     print("|---|---|---:|---:|---:|")
