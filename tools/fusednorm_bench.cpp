@@ -71,6 +71,7 @@ struct Options {
       "usage: fusednorm-bench [--op OP] [--rows N] [--dim D] [--dtype T] [--threads N]\n"
       "                       [--repeat N] [--fused-only] [--json]\n"
       "  --op       all (default), rms_norm, fused_add_rms_norm, rms_norm_backward,\n"
+      "             rms_norm_backward_add (the fused add's backward: dx + a dx addend),\n"
       "             layer_norm, layer_norm_backward\n"
       "  --rows     rows (tokens), default 512\n"
       "  --dim      D (hidden size), default 4096\n"
@@ -134,9 +135,13 @@ Options parse(int argc, char** argv) {
       usage(("unknown option '" + arg + "'").c_str());
     }
   }
-  const char* ops[] = {
-      "all",        "rms_norm",           "fused_add_rms_norm", "rms_norm_backward",
-      "layer_norm", "layer_norm_backward"};
+  const char* ops[] = {"all",
+                       "rms_norm",
+                       "fused_add_rms_norm",
+                       "rms_norm_backward",
+                       "rms_norm_backward_add",
+                       "layer_norm",
+                       "layer_norm_backward"};
   if (std::none_of(std::begin(ops), std::end(ops), [&](const char* op) { return o.op == op; })) {
     usage(("unknown --op '" + o.op + "'").c_str());
   }
@@ -293,6 +298,7 @@ class Bench {
       if (o_.stepwise) cases.push_back([this] { rms_backward(false); });
       cases.push_back([this] { rms_backward(true); });
     }
+    if (all || o_.op == "rms_norm_backward_add") cases.push_back([this] { rms_backward_add(); });
     if (all || o_.op == "layer_norm_backward") cases.push_back([this] { layer_backward(); });
     const auto start = Clock::now();
     for (std::size_t i = 0; i < cases.size(); ++i) {
@@ -412,6 +418,30 @@ class Bench {
             fn);
   }
 
+  // The fused add's backward: dx = norm's dx + the gradient reaching residual_out, in one
+  // pass (reads dy, x and the addend, writes dx).
+  void rms_backward_add() {
+    Tensor dx(o_.dtype, o_.rows, o_.dim);
+    Tensor dw(o_.dtype, 1, o_.dim);
+    const ConstMatrix x = x_[0].view(), dy = dy_[0].view(), addend = residual_init_[0].view();
+    const ConstVector w = weight_[0].vec();
+    std::vector<float> rstd(static_cast<std::size_t>(o_.rows));
+    rms_norm(ctx_, x, w, matrix(dx.bytes.data(), o_.dtype, o_.rows, o_.dim),
+             rstd.data());  // dx: scratch
+    Result r("rms_norm_backward_add", "fused");
+    auto fn = [&] {
+      rms_norm_backward(ctx_, dy, x, w, rstd.data(), dx.view(), dw.mut_vec(), {}, {}, addend);
+    };
+    fn();
+    const auto want = reference::rms_norm_backward(dy, x, w, {}, addend);
+    check(r, dx, want.dx, 1e-5);
+    check_gradient_vector(r, dw, want.dw);
+    measure(r,
+            4 * element_bytes_ + 2.0 * static_cast<double>(weight_bytes()) +
+                4.0 * static_cast<double>(o_.rows),
+            fn);
+  }
+
   void layer_backward() {
     Tensor dx(o_.dtype, o_.rows, o_.dim);
     Tensor dw(o_.dtype, 1, o_.dim), db(o_.dtype, 1, o_.dim);
@@ -508,13 +538,15 @@ int main(int argc, char** argv) {
       "memcpy: x's size copied with the same threads between the runs of each case; the faster of\n"
       "glibc memcpy and a non-temporal-store copy.\n\n");
   std::printf(
-      "| op                  | impl     | median µs |   GB/s | memcpy GB/s | %% of memcpy | extra "
+      "| op                    | impl     | median µs |   GB/s | memcpy GB/s | %% of memcpy | "
+      "extra "
       "bytes | max abs err (limit)    |\n");
   std::printf(
-      "|---------------------|----------|-----------|--------|-------------|-------------|---------"
+      "|-----------------------|----------|-----------|--------|-------------|-------------|-------"
+      "--"
       "----|------------------------|\n");
   for (const auto& r : results) {
-    std::printf("| %-19s | %-8s | %9.1f | %6.1f | %11.1f | %10.1f%% | %11zu | %.2e (%.1e) %-4s |\n",
+    std::printf("| %-21s | %-8s | %9.1f | %6.1f | %11.1f | %10.1f%% | %11zu | %.2e (%.1e) %-4s |\n",
                 r.op.c_str(), r.impl.c_str(), r.median_us, r.gbps, r.memcpy_gbps, r.pct_of_memcpy,
                 r.extra_bytes, r.max_abs_err, r.error_limit,
                 r.max_abs_err <= r.error_limit ? "ok"

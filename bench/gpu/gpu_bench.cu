@@ -184,6 +184,13 @@ int main(int argc, char** argv) {
                                {ws, ws_bytes});
            },
            rms_stats},
+          // The fused add's backward: dx = norm's dx + the residual's gradient (r), one pass.
+          {"rms_norm_backward_add", 4 * io + 2 * pv, 1,
+           [&] {
+             rms_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, rstd, ym, {dw, dt, cols}, {},
+                               {ws, ws_bytes}, const_matrix(r, dt, rows, cols));
+           },
+           rms_stats},
           {"layer_norm_backward", 3 * io + 3 * pv, 2,
            [&] {
              layer_norm_backward(ctx, const_matrix(dy, dt, rows, cols), xm, wv, mean, rstd, ym, {dw, dt, cols},

@@ -194,6 +194,43 @@ void layer_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, Cons
                          const float* mean, const float* rstd, Matrix dx, Vector dw, Vector db,
                          const LayerNormOptions& options = {}, Workspace workspace = {});
 
+// LayerNorm in phases, for column-sliced rows as RMSNorm's above (sums fp32, one per row,
+// added over the slices by the caller between phases; full_cols the whole row's D). The
+// forward needs two reductions: the sums of x, then the squared deviations from the whole
+// row's mean (row_sum / full_cols). With one slice the phases give the one-call bits on
+// the CPU.
+
+// row_sum[r] = sum_j x[r, j] over this slice.
+void layer_norm_partial_sums(const Context& ctx, ConstMatrix x, float* row_sum);
+
+// row_sum_squared_deviations[r] = sum_j (x[r, j] - mean[r])^2 over this slice, with mean[r]
+// = row_sum[r] / full_cols from the whole row's sums.
+void layer_norm_partial_squared_deviations(const Context& ctx, ConstMatrix x, const float* row_sum,
+                                           std::int64_t full_cols,
+                                           float* row_sum_squared_deviations);
+
+// layer_norm given the whole row's sums: mean = row_sum / full_cols, rstd = 1 / sqrt(
+// row_sum_squared_deviations / full_cols + eps), exactly as layer_norm computes them; y on
+// this slice (weight, bias: the slice's). mean and rstd (nullable) receive one fp32 per row.
+void layer_norm_from_sums(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias,
+                          Matrix y, const float* row_sum, const float* row_sum_squared_deviations,
+                          std::int64_t full_cols, float* mean, float* rstd,
+                          const LayerNormOptions& options = {});
+
+// Backward phase 1: row_sum_g[r] = sum_j g and row_sum_g_xhat[r] = sum_j g * x_hat over this
+// slice (g = dy * w, x_hat = (x - mean) * rstd). mean and rstd are required.
+void layer_norm_backward_partial_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                      ConstVector weight, const float* mean, const float* rstd,
+                                      float* row_sum_g, float* row_sum_g_xhat);
+
+// Backward phase 2: layer_norm_backward with mean(g) and mean(g * x_hat) from the whole
+// row's phase-1 sums over full_cols; dw / db are this slice's columns. mean, rstd required.
+void layer_norm_backward_from_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                   ConstVector weight, const float* mean, const float* rstd,
+                                   const float* row_sum_g, const float* row_sum_g_xhat,
+                                   std::int64_t full_cols, Matrix dx, Vector dw, Vector db,
+                                   const LayerNormOptions& options = {}, Workspace workspace = {});
+
 // Scratch bytes the backward operators need for a rows x cols problem on ctx's device.
 std::size_t backward_workspace_bytes(const Context& ctx, std::int64_t rows, std::int64_t cols);
 

@@ -150,7 +150,7 @@ void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstV
 void rms_norm_partial_sum_squares(const Context& ctx, ConstMatrix x, float* row_sum_squares) {
   ForwardProblem p = rms_forward_problem(x, {}, {}, nullptr, {});
   p.phase = detail::Phase::kPartialSums;
-  p.partial_sum_squares = row_sum_squares;
+  p.partial_sums = row_sum_squares;
   run("rms_norm_partial_sum_squares", ctx, p);
 }
 
@@ -162,7 +162,7 @@ void fused_add_partial_sum_squares(const Context& ctx, ConstMatrix x, Matrix res
   ForwardProblem p = rms_forward_problem(x, {}, {}, nullptr, {});
   p.residual = residual;
   p.phase = detail::Phase::kPartialSums;
-  p.partial_sum_squares = row_sum_squares;
+  p.partial_sums = row_sum_squares;
   run("fused_add_partial_sum_squares", ctx, p);
 }
 
@@ -210,6 +210,89 @@ void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVect
   p.rstd = rstd;
   p.eps = options.eps;
   run("layer_norm", ctx, p);
+}
+
+void layer_norm_partial_sums(const Context& ctx, ConstMatrix x, float* row_sum) {
+  ForwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.x = x;
+  p.phase = detail::Phase::kPartialSums;
+  p.partial_sums = row_sum;
+  run("layer_norm_partial_sums", ctx, p);
+}
+
+void layer_norm_partial_squared_deviations(const Context& ctx, ConstMatrix x, const float* row_sum,
+                                           std::int64_t full_cols,
+                                           float* row_sum_squared_deviations) {
+  ForwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.x = x;
+  p.phase = detail::Phase::kPartialDeviations;
+  p.row_sum = row_sum;
+  p.full_cols = full_cols;
+  p.partial_sums = row_sum_squared_deviations;
+  run("layer_norm_partial_squared_deviations", ctx, p);
+}
+
+void layer_norm_from_sums(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias,
+                          Matrix y, const float* row_sum, const float* row_sum_squared_deviations,
+                          std::int64_t full_cols, float* mean, float* rstd,
+                          const LayerNormOptions& options) {
+  ForwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.x = x;
+  p.weight = weight;
+  p.bias = bias;
+  p.y = y;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.eps = options.eps;
+  p.phase = detail::Phase::kFromSums;
+  p.row_sum = row_sum;
+  p.row_sum_squared_deviations = row_sum_squared_deviations;
+  p.full_cols = full_cols;
+  run("layer_norm_from_sums", ctx, p);
+}
+
+void layer_norm_backward_partial_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                      ConstVector weight, const float* mean, const float* rstd,
+                                      float* row_sum_g, float* row_sum_g_xhat) {
+  BackwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.dy = dy;
+  p.x = x;
+  p.weight = weight;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.eps = LayerNormOptions{}.eps;  // unused: the statistics are given
+  p.phase = detail::Phase::kPartialSums;
+  p.partial_sum_g = row_sum_g;
+  p.partial_sum_g_xhat = row_sum_g_xhat;
+  run("layer_norm_backward_partial_sums", ctx, p);
+}
+
+void layer_norm_backward_from_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
+                                   ConstVector weight, const float* mean, const float* rstd,
+                                   const float* row_sum_g, const float* row_sum_g_xhat,
+                                   std::int64_t full_cols, Matrix dx, Vector dw, Vector db,
+                                   const LayerNormOptions& options, Workspace workspace) {
+  BackwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.dy = dy;
+  p.x = x;
+  p.weight = weight;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.dx = dx;
+  p.dw = dw;
+  p.db = db;
+  p.eps = options.eps;
+  p.workspace = workspace;
+  p.phase = detail::Phase::kFromSums;
+  p.row_sum_g = row_sum_g;
+  p.row_sum_g_xhat = row_sum_g_xhat;
+  p.full_cols = full_cols;
+  run("layer_norm_backward_from_sums", ctx, p);
 }
 
 void layer_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,

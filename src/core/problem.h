@@ -8,10 +8,11 @@ namespace fusednorm::detail {
 
 enum class NormKind { kRms, kLayer };
 
-// Which part of an operator a call runs (RMSNorm only for the two phases; see fusednorm.h):
-// the whole operator; phase 1 (per-row partial sums of a column slice, nothing else); or
+// Which part of an operator a call runs (see fusednorm.h's phased operators): the whole
+// operator; phase 1 (per-row partial sums of a column slice, nothing else; LayerNorm's
+// forward has two: the sums of x, then the squared deviations from the whole row's mean); or
 // phase 2 (the rest, given the whole row's sums over full_cols columns).
-enum class Phase { kWhole, kPartialSums, kFromSums };
+enum class Phase { kWhole, kPartialSums, kPartialDeviations, kFromSums };
 
 struct ForwardProblem {
   NormKind kind = NormKind::kRms;
@@ -25,9 +26,16 @@ struct ForwardProblem {
   float eps = 0.0f;
   float weight_offset = 0.0f;  // RMSNorm only
   Phase phase = Phase::kWhole;
-  float* partial_sum_squares = nullptr;    // kPartialSums: per row, sum of squares
-  const float* row_sum_squares = nullptr;  // kFromSums: per row, over the whole row
-  std::int64_t full_cols = 0;              // kFromSums: the whole row's length
+  // Phase 1's output, per row: RMSNorm's sum of squares, LayerNorm's sum of x
+  // (kPartialSums) or of squared deviations from the row's mean (kPartialDeviations).
+  float* partial_sums = nullptr;
+  // Over the whole row (full_cols columns), per row: RMSNorm's sum of squares (kFromSums);
+  // LayerNorm's sum of x (kPartialDeviations, kFromSums) and sum of squared deviations
+  // (kFromSums).
+  const float* row_sum_squares = nullptr;
+  const float* row_sum = nullptr;
+  const float* row_sum_squared_deviations = nullptr;
+  std::int64_t full_cols = 0;
 
   bool has_residual() const { return residual.data != nullptr; }
   std::int64_t rows() const { return x.rows; }
@@ -49,9 +57,13 @@ struct BackwardProblem {
   float weight_offset = 0.0f;
   Workspace workspace;
   Phase phase = Phase::kWhole;
-  float* partial_sum_g_xhat = nullptr;    // kPartialSums: per row, sum of g * x_hat
-  const float* row_sum_g_xhat = nullptr;  // kFromSums: per row, over the whole row
-  std::int64_t full_cols = 0;             // kFromSums: the whole row's length
+  // kPartialSums: per row, sum of g * x_hat and (LayerNorm) sum of g over the slice.
+  float* partial_sum_g_xhat = nullptr;
+  float* partial_sum_g = nullptr;
+  // kFromSums: the same sums over the whole row of full_cols columns.
+  const float* row_sum_g_xhat = nullptr;
+  const float* row_sum_g = nullptr;
+  std::int64_t full_cols = 0;
 
   bool has_addend() const { return dx_addend.data != nullptr; }
 

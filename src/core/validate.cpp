@@ -126,36 +126,55 @@ void check_required_rows(const char* op, const char* name, const float* data, st
   if (data == nullptr && rows > 0) fail(op, name, "is null but rows > 0 (required)");
 }
 
-// Phase 1 of the forward: x (and residual), the sums out, nothing else.
-void validate_partial_sum_squares(const char* op, const ForwardProblem& p) {
+// Phase 1 of the forward: x (and residual), the sums out (LayerNorm's deviations: and the
+// whole row's sums in), nothing else.
+void validate_partial_sums(const char* op, const ForwardProblem& p) {
   check_matrix(op, "x", p.x);
   if (p.has_residual()) check_same_shape(op, "residual", p.residual, p.x);
-  check_required_rows(op, "row_sum_squares", p.partial_sum_squares, p.rows());
-  const ByteRange sums = float_range(p.partial_sum_squares, p.rows());
-  check_no_overlap(op, "row_sum_squares", sums, "x", byte_range(p.x));
+  const char* out_name = p.kind == NormKind::kRms               ? "row_sum_squares"
+                         : p.phase == Phase::kPartialDeviations ? "row_sum_squared_deviations"
+                                                                : "row_sum";
+  check_required_rows(op, out_name, p.partial_sums, p.rows());
+  const ByteRange sums = float_range(p.partial_sums, p.rows());
+  check_no_overlap(op, out_name, sums, "x", byte_range(p.x));
   if (p.has_residual()) {
     const ByteRange residual = byte_range(p.residual);
     check_no_overlap(op, "residual", residual, "x", byte_range(p.x));
-    check_no_overlap(op, "row_sum_squares", sums, "residual", residual);
+    check_no_overlap(op, out_name, sums, "residual", residual);
+  }
+  if (p.phase == Phase::kPartialDeviations) {
+    check_required_rows(op, "row_sum", p.row_sum, p.rows());
+    check_full_cols(op, p.full_cols, p.x);
+    check_no_overlap(op, out_name, sums, "row_sum", float_range(p.row_sum, p.rows()));
   }
 }
 
 }  // namespace
 
 void validate(const char* op, const ForwardProblem& p) {
-  if (p.phase == Phase::kPartialSums) {
-    validate_partial_sum_squares(op, p);
+  if (p.phase == Phase::kPartialSums || p.phase == Phase::kPartialDeviations) {
+    validate_partial_sums(op, p);
     return;
   }
   check_matrix(op, "x", p.x);
   if (p.has_residual()) check_same_shape(op, "residual", p.residual, p.x);
   check_same_shape(op, "y", p.y, p.x);
   if (p.phase == Phase::kFromSums) {
-    check_required_rows(op, "row_sum_squares", p.row_sum_squares, p.rows());
     check_full_cols(op, p.full_cols, p.x);
-    const ByteRange sums = float_range(p.row_sum_squares, p.rows());
-    check_no_overlap(op, "y", byte_range(p.y), "row_sum_squares", sums);
-    check_no_overlap(op, "rstd", float_range(p.rstd, p.rows()), "row_sum_squares", sums);
+    const std::pair<const char*, const float*> sums[] = {
+        {"row_sum_squares", p.row_sum_squares},
+        {"row_sum", p.row_sum},
+        {"row_sum_squared_deviations", p.row_sum_squared_deviations}};
+    for (int i = 0; i < 3; ++i) {
+      const auto& [name, data] = sums[i];
+      if ((p.kind == NormKind::kRms) != (i == 0))
+        continue;  // RMSNorm: the first; LayerNorm: the others
+      check_required_rows(op, name, data, p.rows());
+      const ByteRange in = float_range(data, p.rows());
+      check_no_overlap(op, "y", byte_range(p.y), name, in);
+      check_no_overlap(op, "rstd", float_range(p.rstd, p.rows()), name, in);
+      check_no_overlap(op, "mean", float_range(p.mean, p.rows()), name, in);
+    }
   }
   check_vector(op, "weight", p.weight, p.x);
   check_vector(op, "bias", p.bias, p.x);
@@ -190,23 +209,34 @@ void validate(const char* op, const BackwardProblem& p) {
   check_matrix(op, "x", p.x);
   check_same_shape(op, "dy", p.dy, p.x);
   if (p.dx.data != nullptr) check_same_shape(op, "dx", p.dx, p.x);
-  if (p.phase != Phase::kWhole) check_required_rows(op, "rstd", p.rstd, p.rows());
+  const bool centered = p.kind == NormKind::kLayer;
+  if (p.phase != Phase::kWhole) {
+    // The statistics are the whole row's: they cannot be recomputed from a slice.
+    if (centered) check_required_rows(op, "mean", p.mean, p.rows());
+    check_required_rows(op, "rstd", p.rstd, p.rows());
+  }
   if (p.phase == Phase::kPartialSums) {
     check_vector(op, "weight", p.weight, p.x);
     check_eps(op, p.eps);
     if (!std::isfinite(p.weight_offset)) fail(op, "weight_offset", "must be finite");
     check_required_rows(op, "row_sum_g_xhat", p.partial_sum_g_xhat, p.rows());
-    const ByteRange sums = float_range(p.partial_sum_g_xhat, p.rows());
+    if (centered) check_required_rows(op, "row_sum_g", p.partial_sum_g, p.rows());
+    const ByteRange g_xhat = float_range(p.partial_sum_g_xhat, p.rows());
+    const ByteRange g = float_range(p.partial_sum_g, p.rows());
     for (const auto& [name, range] :
          {std::pair{"dy", byte_range(p.dy)}, std::pair{"x", byte_range(p.x)},
           std::pair{"weight", byte_range(p.weight)},
+          std::pair{"mean", float_range(p.mean, p.rows())},
           std::pair{"rstd", float_range(p.rstd, p.rows())}}) {
-      check_no_overlap(op, "row_sum_g_xhat", sums, name, range);
+      check_no_overlap(op, "row_sum_g_xhat", g_xhat, name, range);
+      check_no_overlap(op, "row_sum_g", g, name, range);
     }
+    check_no_overlap(op, "row_sum_g", g, "row_sum_g_xhat", g_xhat);
     return;
   }
   if (p.phase == Phase::kFromSums) {
     check_required_rows(op, "row_sum_g_xhat", p.row_sum_g_xhat, p.rows());
+    if (centered) check_required_rows(op, "row_sum_g", p.row_sum_g, p.rows());
     check_full_cols(op, p.full_cols, p.x);
   }
   if (p.has_addend()) {
@@ -243,6 +273,7 @@ void validate(const char* op, const BackwardProblem& p) {
       {"mean", float_range(p.mean, p.rows())},
       {"rstd", float_range(p.rstd, p.rows())},
       {"row_sum_g_xhat", float_range(p.row_sum_g_xhat, p.rows())},
+      {"row_sum_g", float_range(p.row_sum_g, p.rows())},
   };
   const std::pair<const char*, ByteRange> outputs[] = {
       {"dx", dx}, {"dw", dw}, {"db", db}, {"workspace", workspace}};

@@ -212,17 +212,30 @@ struct ForwardCall {
   static const void* param_at(const ConstVector& v, std::int64_t begin) {
     return v.data == nullptr ? nullptr : advance(v.data, begin, dtype_size(v.dtype));
   }
-  // Row r's statistics: from the whole row's sum of squares (phase 2 of a two-phase call),
-  // else computed from the row.
+  // Row r's statistics: from the whole row's sums (phase 2 of a phased call), else
+  // computed from the row; the same arithmetic as compute_row_stats.
   RowStats row_stats(std::int64_t r) const {
     if (p.phase == Phase::kFromSums) {
-      return {0.0f,
-              rstd_from_mean_square(p.row_sum_squares[r] / static_cast<float>(p.full_cols), p.eps)};
+      const auto count = static_cast<float>(p.full_cols);
+      if (!centered) return {0.0f, rstd_from_mean_square(p.row_sum_squares[r] / count, p.eps)};
+      return {p.row_sum[r] / count,
+              rstd_from_mean_square(p.row_sum_squared_deviations[r] / count, p.eps)};
     }
     return compute_row_stats(
         p.cols(), centered, p.eps,
         [&](std::int64_t b, std::int64_t n) { return first_stat(r, b, n); },
         [&](std::int64_t b, std::int64_t n, float m) { return centered_stat(r, b, n, m); });
+  }
+  // Phase 1's sum over row r's slice: the first statistic (kPartialSums), or LayerNorm's
+  // squared deviations from the whole row's mean (kPartialDeviations); chunked as always.
+  float partial_sum(std::int64_t r) const {
+    if (p.phase == Phase::kPartialDeviations) {
+      const float mean = p.row_sum[r] / static_cast<float>(p.full_cols);
+      return chunked_sum(
+          p.cols(), [&](std::int64_t b, std::int64_t n) { return centered_stat(r, b, n, mean); });
+    }
+    return chunked_sum(p.cols(),
+                       [&](std::int64_t b, std::int64_t n) { return first_stat(r, b, n); });
   }
   void store_stats(std::int64_t r, float mean, float rstd) const {
     if (p.rstd != nullptr) p.rstd[r] = rstd;
@@ -273,22 +286,20 @@ void forward_split_rows(const ForwardCall& call, int threads) {
 
   if (call.p.phase == Phase::kFromSums) {
     for (std::int64_t r = 0; r < rows; ++r) {
-      rstd[r] = call.row_stats(r).rstd;
-      call.store_stats(r, 0.0f, rstd[r]);
+      const RowStats s = call.row_stats(r);
+      mean[r] = s.mean;
+      rstd[r] = s.rstd;
+      call.store_stats(r, mean[r], rstd[r]);
     }
     parallel_for(threads, rows * chunks, [&](std::int64_t t) {
       const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
-      call.normalize(r, begin, std::min(kReduceChunk, cols - begin), 0.0f, rstd[r]);
+      call.normalize(r, begin, std::min(kReduceChunk, cols - begin), mean[r], rstd[r]);
     });
     return;
   }
   reduce([&](std::int64_t r, std::int64_t begin, std::int64_t n) {
     return call.first_stat(r, begin, n);
   });
-  if (call.p.phase == Phase::kPartialSums) {
-    for (std::int64_t r = 0; r < rows; ++r) call.p.partial_sum_squares[r] = total[r];
-    return;
-  }
   std::fill(mean, mean + rows, 0.0f);
   if (call.centered) {
     for (std::int64_t r = 0; r < rows; ++r) mean[r] = total[r] / static_cast<float>(cols);
@@ -427,19 +438,23 @@ struct BackwardCall {
 
   // Row r's coefficients: its statistics, then its dots, chunk sums added in chunk order.
   RowCoefficients coefficients(std::int64_t r) const {
-    const std::int64_t cols = p.cols();
     RowCoefficients c;
     row_stats(r, &c.mean, &c.rstd);
     if (p.phase == Phase::kFromSums) {
-      c.mean_g = 0.0f;  // RMSNorm only
-      c.mean_g_xhat = mean_of_sum(p.row_sum_g_xhat[r]);
+      sums_from_phase1(r, &c);
       return c;
     }
     float sum_g_xhat = 0.0f, sum_g = 0.0f;
     row_dots(r, c.mean, c.rstd, &sum_g_xhat, &sum_g);
-    c.mean_g = sum_g / static_cast<float>(cols);
+    c.mean_g = mean_of_sum(sum_g);
     c.mean_g_xhat = mean_of_sum(sum_g_xhat);
     return c;
+  }
+
+  // Phase 2: the row means of g and g * x_hat from the whole row's phase-1 sums.
+  void sums_from_phase1(std::int64_t r, RowCoefficients* c) const {
+    c->mean_g = centered ? mean_of_sum(p.row_sum_g[r]) : 0.0f;
+    c->mean_g_xhat = mean_of_sum(p.row_sum_g_xhat[r]);
   }
 
   // Row r's sums of g * x_hat and g: chunk sums added in chunk order.
@@ -453,7 +468,8 @@ struct BackwardCall {
     }
   }
 
-  // mean(g * x_hat) over the whole row: this call's columns, or phase 2's full_cols.
+  // A row mean (of g or g * x_hat) from its sum: over this call's columns, or phase 2's
+  // full_cols.
   float mean_of_sum(float sum_g_xhat) const {
     const std::int64_t count = p.phase == Phase::kFromSums ? p.full_cols : p.cols();
     return sum_g_xhat / static_cast<float>(count);
@@ -550,10 +566,7 @@ void backward_split_rows(BackwardCall& call, int threads) {
   // the rstd saved by the forward.
   for (std::int64_t r = 0; r < rows; ++r) call.row_stats(r, &coef[r].mean, &coef[r].rstd);
   if (call.p.phase == Phase::kFromSums) {
-    for (std::int64_t r = 0; r < rows; ++r) {
-      coef[r].mean_g = 0.0f;
-      coef[r].mean_g_xhat = call.mean_of_sum(call.p.row_sum_g_xhat[r]);
-    }
+    for (std::int64_t r = 0; r < rows; ++r) call.sums_from_phase1(r, &coef[r]);
   } else {
     std::vector<float> g_xhat(static_cast<std::size_t>(rows * chunks)), g(g_xhat.size());
     parallel_for(threads, rows * chunks, [&](std::int64_t t) {
@@ -567,14 +580,9 @@ void backward_split_rows(BackwardCall& call, int threads) {
         sum_g_xhat += g_xhat[r * chunks + c];
         sum_g += g[r * chunks + c];
       }
-      if (call.p.phase == Phase::kPartialSums) {
-        call.p.partial_sum_g_xhat[r] = sum_g_xhat;
-        continue;
-      }
-      coef[r].mean_g = sum_g / static_cast<float>(cols);
+      coef[r].mean_g = call.mean_of_sum(sum_g);
       coef[r].mean_g_xhat = call.mean_of_sum(sum_g_xhat);
     }
-    if (call.p.phase == Phase::kPartialSums) return;
   }
   const RowBlocks blocks = row_blocks(rows);
 #pragma omp parallel num_threads(threads)
@@ -645,15 +653,14 @@ void forward(const ForwardProblem& p, int num_threads) {
   if (p.rows() == 0) return;
   const ForwardCall call(p);
   const ThreadPlan plan = plan_threads(p.rows(), p.cols(), forward_bytes(p), num_threads);
-  if (plan.split_rows) {
-    forward_split_rows(call, plan.threads);
+  if (p.phase == Phase::kPartialSums || p.phase == Phase::kPartialDeviations) {
+    // One thread per row: few long rows are not split (the sums' bits are the same).
+    parallel_for(plan.threads, p.rows(),
+                 [&](std::int64_t r) { p.partial_sums[r] = call.partial_sum(r); });
     return;
   }
-  if (p.phase == Phase::kPartialSums) {
-    parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
-      p.partial_sum_squares[r] = chunked_sum(
-          p.cols(), [&](std::int64_t b, std::int64_t n) { return call.first_stat(r, b, n); });
-    });
+  if (plan.split_rows) {
+    forward_split_rows(call, plan.threads);
     return;
   }
   // The multi-row kernel computes each row's statistics itself: whole rows only.
@@ -678,13 +685,13 @@ void backward(const BackwardProblem& p, int num_threads) {
         2 * static_cast<std::size_t>(p.rows() * p.cols()) * dtype_size(p.x.dtype);
     const ThreadPlan plan = plan_threads(p.rows(), p.cols(), bytes, num_threads);
     BackwardCall call(p, plan.threads);
-    if (plan.split_rows) {
-      backward_split_rows(call, plan.threads);
-      return;
-    }
+    // One thread per row: few long rows are not split (the sums' bits are the same).
     parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
-      float sum_g;
-      call.row_dots(r, 0.0f, p.rstd[r], &p.partial_sum_g_xhat[r], &sum_g);
+      float mean, rstd, sum_g_xhat, sum_g;
+      call.row_stats(r, &mean, &rstd);
+      call.row_dots(r, mean, rstd, &sum_g_xhat, &sum_g);
+      p.partial_sum_g_xhat[r] = sum_g_xhat;
+      if (p.partial_sum_g != nullptr) p.partial_sum_g[r] = sum_g;
     });
     return;
   }

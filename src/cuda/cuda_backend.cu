@@ -96,6 +96,13 @@ PlanOptions plan_options() {
 
 OutDType out_dtype(DType dtype) { return static_cast<OutDType>(static_cast<int>(dtype)); }
 
+// The phased LayerNorm runs on the CPU only so far.
+void check_phase_supported(const char* op, NormKind kind, detail::Phase phase) {
+  if (kind == NormKind::kLayer && phase != detail::Phase::kWhole) {
+    detail::fail(op, "ctx.device", "the phased LayerNorm is not implemented on CUDA yet");
+  }
+}
+
 }  // namespace
 
 std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
@@ -103,14 +110,14 @@ std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
 }
 
 void forward(const char* op, const ForwardProblem& p, void* stream) {
-  if (p.phase != detail::Phase::kWhole) {
-    detail::fail(op, "ctx.device", "the two-phase operators are not implemented on CUDA yet");
-  }
+  check_phase_supported(op, p.kind, p.phase);
   if (p.rows() == 0) return;
   const ProblemShape shape = problem_shape(
       p.x, {p.x.data, p.residual.data, p.y.data, p.weight.data, p.bias.data},
       {p.x.row_stride, p.has_residual() ? p.residual.row_stride : 0, p.y.row_stride});
-  const LaunchPlan plan = plan_forward(shape, device_info(op), plan_options());
+  PlanOptions options = plan_options();
+  options.two_pass_only = p.phase != detail::Phase::kWhole;
+  const LaunchPlan plan = plan_forward(shape, device_info(op), options);
 
   ForwardArgs a = {};
   a.centered = p.kind == NormKind::kLayer;
@@ -130,6 +137,9 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
   a.cols = p.cols();
   a.eps = p.eps;
   a.weight_offset = p.kind == NormKind::kRms ? p.weight_offset : 0.0f;
+  a.partial_sum_squares = p.phase == detail::Phase::kPartialSums ? p.partial_sums : nullptr;
+  a.row_sum_squares = p.phase == detail::Phase::kFromSums ? p.row_sum_squares : nullptr;
+  a.full_cols = p.full_cols;
 
   const auto s = static_cast<cudaStream_t>(stream);
   check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {
@@ -138,10 +148,7 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
 }
 
 void backward(const char* op, const BackwardProblem& p, void* stream) {
-  if (p.phase != detail::Phase::kWhole) {
-    detail::fail(op, "ctx.device", "the two-phase operators are not implemented on CUDA yet");
-  }
-  if (p.has_addend()) detail::fail(op, "dx_addend", "not implemented on CUDA yet");
+  check_phase_supported(op, p.kind, p.phase);
   const auto s = static_cast<cudaStream_t>(stream);
   const bool want_dw = p.dw.data != nullptr;
   const bool want_db = p.db.data != nullptr;
@@ -151,15 +158,19 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
     if (want_db) check(op, "cudaMemsetAsync(db)", cudaMemsetAsync(p.db.data, 0, p.db.size * dtype_size(p.db.dtype), s));
     return;
   }
-  if (p.dx.data == nullptr && !want_dw && !want_db) return;
+  const bool sums_only = p.phase == detail::Phase::kPartialSums;
+  if (p.dx.data == nullptr && !want_dw && !want_db && !sums_only) return;
 
   ProblemShape shape = problem_shape(
-      p.x, {p.dy.data, p.x.data, p.dx.data, p.weight.data},
-      {p.dy.row_stride, p.x.row_stride, p.dx.data != nullptr ? p.dx.row_stride : 0});
+      p.x, {p.dy.data, p.x.data, p.dx.data, p.weight.data, p.dx_addend.data},
+      {p.dy.row_stride, p.x.row_stride, p.dx.data != nullptr ? p.dx.row_stride : 0,
+       p.has_addend() ? p.dx_addend.row_stride : 0});
   // Must match the launcher's kernel variant (BackwardVariant::kDw / kDb).
   const bool accumulate = want_dw || want_db;
   shape.accumulators = accumulate ? (p.weight.data != nullptr ? 1 : 0) + (p.kind == NormKind::kLayer ? 1 : 0) : 0;
-  const LaunchPlan plan = plan_backward(shape, device_info(op), plan_options());
+  PlanOptions options = plan_options();
+  options.two_pass_only = p.phase != detail::Phase::kWhole;
+  const LaunchPlan plan = plan_backward(shape, device_info(op), options);
 
   BackwardArgs a = {};
   a.centered = p.kind == NormKind::kLayer;
@@ -173,6 +184,11 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
   a.rstd = p.rstd;
   a.dx = p.dx.data;
   a.dx_stride = p.dx.row_stride;
+  a.dx_addend = p.dx_addend.data;
+  a.dx_addend_stride = p.dx_addend.row_stride;
+  a.partial_sum_g_xhat = sums_only ? p.partial_sum_g_xhat : nullptr;
+  a.row_sum_g_xhat = p.phase == detail::Phase::kFromSums ? p.row_sum_g_xhat : nullptr;
+  a.full_cols = p.full_cols;
   a.rows = p.rows();
   a.cols = p.cols();
   a.eps = p.eps;

@@ -25,6 +25,12 @@ struct ForwardArgs {
   std::int64_t cols;
   float eps;
   float weight_offset;
+  // Two-phase calls (RMSNorm, two-pass row kernel only). Phase 1: each row's sum of squares
+  // (of the updated residual for the fused add) goes to partial_sum_squares and no y is
+  // written. Phase 2: the row's sum of squares is row_sum_squares[row], over full_cols.
+  float* partial_sum_squares;
+  const float* row_sum_squares;
+  std::int64_t full_cols;
 };
 
 struct BackwardArgs {
@@ -39,6 +45,8 @@ struct BackwardArgs {
   const float* rstd;  // nullable: recomputed from x
   void* dx;           // nullable: dx not wanted; may equal dy (same view)
   std::int64_t dx_stride;
+  const void* dx_addend;  // nullable (RMSNorm): added to dx before rounding; may be dx or dy
+  std::int64_t dx_addend_stride;
   float* dw_partial;  // nullable: [partial_slots][cols]
   float* db_partial;  // nullable: [partial_slots][cols]
   float* coef;  // two-pass path: per row {mean, rstd, mean(g), mean(g * x_hat)}, 16-byte aligned
@@ -46,6 +54,12 @@ struct BackwardArgs {
   std::int64_t cols;
   float eps;
   float weight_offset;
+  // Two-phase calls (RMSNorm, two-pass kernels only). Phase 1: each row's sum of g * x_hat
+  // goes to partial_sum_g_xhat, nothing else is written. Phase 2: that sum over the whole
+  // row is row_sum_g_xhat[row], over full_cols.
+  float* partial_sum_g_xhat;
+  const float* row_sum_g_xhat;
+  std::int64_t full_cols;
 };
 
 // Matches fusednorm::DType's values.

@@ -139,7 +139,8 @@ LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d, const PlanOp
   const std::int64_t nvec = ceil_div(s.cols, plan.vec);
   const std::int64_t rows = std::max<std::int64_t>(s.rows, 1);
 
-  if (const RegisterFit fit = fit_in_registers(nvec, kMaxThreadsPerCta); fit.ok) {
+  if (const RegisterFit fit = fit_in_registers(nvec, kMaxThreadsPerCta);
+      fit.ok && !options.two_pass_only) {
     plan.kind = fit.team <= 32 ? KernelKind::kRowsPerCta : KernelKind::kRegisterRow;
     plan.vecs_per_thread = fit.vecs_per_thread;
     plan.team_threads = fit.team;
@@ -154,7 +155,8 @@ LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d, const PlanOp
   // Beyond registers the row is at least 512 x 4 vectors: one 512-thread CTA (or cluster)
   // per row, the row staged in shared memory so that x is read from device memory once.
   const auto row_bytes = [&](std::int64_t slice) { return slice * plan.vec * s.elem_bytes; };
-  if (options.staged_rows && plan_staged(nvec, std::min(rows, kMaxGrid / kMaxClusterSize), d, row_bytes, plan)) {
+  if (options.staged_rows && !options.two_pass_only &&
+      plan_staged(nvec, std::min(rows, kMaxGrid / kMaxClusterSize), d, row_bytes, plan)) {
     return plan;
   }
   plan.kind = KernelKind::kTwoPass;
@@ -172,7 +174,8 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanO
   const std::int64_t slot_limit = max_partial_slots(rows, s.cols);
 
   const int max_k = backward_max_vecs_per_thread(s.accumulators, plan.vec);
-  if (const RegisterFit fit = fit_in_registers(nvec, kBackwardMaxTeam, max_k); fit.ok) {
+  if (const RegisterFit fit = fit_in_registers(nvec, kBackwardMaxTeam, max_k);
+      fit.ok && !options.two_pass_only) {
     plan.kind = fit.team <= 32 ? KernelKind::kRowsPerCta : KernelKind::kRegisterRow;
     plan.vecs_per_thread = fit.vecs_per_thread;
     plan.team_threads = fit.team;
@@ -205,7 +208,7 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanO
   const auto sums_bytes = [&](std::int64_t slice) {
     return std::max<std::int64_t>(16, s.accumulators * staged_backward_smem(slice, plan.vec, s.elem_bytes).acc_bytes);
   };
-  if (options.staged_rows) {
+  if (options.staged_rows && !options.two_pass_only) {
     const bool staged = plan_staged(nvec, slot_limit, d, stage_bytes, plan);
     if (staged || plan_staged(nvec, slot_limit, d, sums_bytes, plan, kMaxClusterSize)) {
       plan.staged_inputs = staged;

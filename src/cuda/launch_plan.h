@@ -118,6 +118,9 @@ struct PlanOptions {
   // in shared memory (the backend reads FUSEDNORM_CUDA_STAGED_ROWS=0; gpu_bench uses it to
   // measure what staging gains on the same shapes in the same run).
   bool staged_rows = true;
+  // true: the two-pass kernels whatever the shape. The two-phase (column-sliced) calls run
+  // their passes separately: phase 1 is the first pass, phase 2 the rest.
+  bool two_pass_only = false;
 };
 
 LaunchPlan plan_forward(const ProblemShape& shape, const DeviceInfo& device, const PlanOptions& options = {});

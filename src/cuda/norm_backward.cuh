@@ -19,12 +19,14 @@
 namespace fusednorm::cuda {
 
 // kAccumulate: dw or db is wanted. dw is accumulated when there is a weight, db for
-// LayerNorm; a partial pointer that is null is simply not written.
-template <bool kCentered_, bool kWeight_, bool kAccumulate_>
+// LayerNorm; a partial pointer that is null is simply not written. kAddend: dx_addend is
+// added to dx (RMSNorm's fused-add backward).
+template <bool kCentered_, bool kWeight_, bool kAccumulate_, bool kAddend_ = false>
 struct BackwardVariant {
   static constexpr bool kCentered = kCentered_;
   static constexpr bool kWeight = kWeight_;
   static constexpr bool kAccumulate = kAccumulate_;
+  static constexpr bool kAddend = kAddend_;
   static constexpr bool kDw = kAccumulate_ && kWeight_;
   static constexpr bool kDb = kAccumulate_ && kCentered_;
 };
@@ -85,12 +87,26 @@ __device__ __forceinline__ void add_grad_dots(const Pack<T, kVec>& dy, const Pac
   }
 }
 
-// dx of one vector, rounded once to T; adds dy * x_hat to dw and dy to db (when the
-// variant accumulates them).
+// Vector j of row `row` of the dx addend (a zero vector, never read, without one). Callers
+// load it with dy and x, before any store of dx (which it may alias).
+template <typename V, typename T, int kVec>
+__device__ __forceinline__ Pack<T, kVec> load_addend(const BackwardArgs& a, std::int64_t row, std::int64_t j) {
+  Pack<T, kVec> v;
+  if constexpr (V::kAddend) {
+    v.load(row_ptr<T>(a.dx_addend, row, a.dx_addend_stride) + j * kVec);
+  } else {
+    v.zero();
+  }
+  return v;
+}
+
+// dx of one vector (plus the addend, in fp32), rounded once to T; adds dy * x_hat to dw and
+// dy to db (when the variant accumulates them).
 template <typename V, typename T, int kVec>
 __device__ __forceinline__ Pack<T, kVec> grad_input(const Pack<T, kVec>& dy, const Pack<T, kVec>& x,
                                                     const float (&w)[kVec], const RowGrad& r,
-                                                    float (&dw)[kVec], float (&db)[kVec]) {
+                                                    float (&dw)[kVec], float (&db)[kVec],
+                                                    const Pack<T, kVec>& addend) {
   Pack<T, kVec> out;
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
@@ -99,7 +115,9 @@ __device__ __forceinline__ Pack<T, kVec> grad_input(const Pack<T, kVec>& dy, con
     const float xhat = (V::kCentered ? x.get(i) - r.mean : x.get(i)) * r.rstd;
     if constexpr (V::kDw) dw[i] += dyi * xhat;
     if constexpr (V::kDb) db[i] += dyi;
-    out.set(i, r.rstd * (gi - (V::kCentered ? r.mean_g : 0.0f) - xhat * r.mean_g_xhat));
+    float dxi = r.rstd * (gi - (V::kCentered ? r.mean_g : 0.0f) - xhat * r.mean_g_xhat);
+    if constexpr (V::kAddend) dxi += addend.get(i);
+    out.set(i, dxi);
   }
   return out;
 }
@@ -216,7 +234,8 @@ __global__ void __launch_bounds__(512, 1)
         if (j >= nvec) continue;
         float w[kVec];
         load_grad_weight<T, kVec, V>(a, j, nvec, w);
-        const Pack<T, kVec> out = grad_input<V>(dyv[k], xv[k], w, r, dw[k], db[k]);
+        const Pack<T, kVec> add = load_addend<V, T, kVec>(a, row, j);
+        const Pack<T, kVec> out = grad_input<V>(dyv[k], xv[k], w, r, dw[k], db[k], add);
         if (dx_row != nullptr) out.store(dx_row + j * kVec);
       }
     }
@@ -399,7 +418,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       load_grad_weight<T, kVec, V>(a, j, nvec, w);
       if constexpr (V::kDw) read_sums(dw_acc, j - begin, dw);
       if constexpr (V::kDb) read_sums(db_acc, j - begin, db);
-      const Vec out = grad_input<V>(vec_at(dy_stage, dy, j), vec_at(x_stage, x, j), w, r, dw, db);
+      const Vec out = grad_input<V>(vec_at(dy_stage, dy, j), vec_at(x_stage, x, j), w, r, dw, db,
+                                    load_addend<V, T, kVec>(a, row, j));
       if constexpr (V::kDw) write_sums(dw_acc, j - begin, dw);
       if constexpr (V::kDb) write_sums(db_acc, j - begin, db);
       if (dx != nullptr) out.store(dx + j * kVec);
@@ -486,18 +506,31 @@ __global__ void __launch_bounds__(kCoefThreads, 1) norm_backward_coef_kernel(con
       rstd = 1.0f / sqrtf(variance + a.eps);
     }
 
-    float dots[kGradDots<V>] = {};
+    // Two-phase calls (RMSNorm; uniform across the CTA, so the barriers stay uniform):
+    // phase 2 takes the whole row's sum of g * x_hat, phase 1 stops after storing its own.
+    float2 totals;
+    float count = cols;
+    if (a.row_sum_g_xhat != nullptr) {
+      totals = make_float2(a.row_sum_g_xhat[row], 0.0f);
+      count = static_cast<float>(a.full_cols);
+    } else {
+      float dots[kGradDots<V>] = {};
 #pragma unroll 4
-    for (std::int64_t j = threadIdx.x; j < nvec; j += kCoefThreads) {
-      Pack<T, kVec> dyv, xv;
-      dyv.load(dy + j * kVec);
-      xv.load(x + j * kVec);
-      float w[kVec];
-      load_grad_weight<T, kVec, V>(a, j, nvec, w);
-      add_grad_dots<V>(dyv, xv, w, mean, rstd, dots);
+      for (std::int64_t j = threadIdx.x; j < nvec; j += kCoefThreads) {
+        Pack<T, kVec> dyv, xv;
+        dyv.load(dy + j * kVec);
+        xv.load(x + j * kVec);
+        float w[kVec];
+        load_grad_weight<T, kVec, V>(a, j, nvec, w);
+        add_grad_dots<V>(dyv, xv, w, mean, rstd, dots);
+      }
+      totals = block_sum(make_float2(dots[0], dots[kGradDots<V> - 1]));
     }
-    const float2 totals = block_sum(make_float2(dots[0], dots[kGradDots<V> - 1]));
-    const RowGrad r{mean, rstd, V::kCentered ? totals.y / cols : 0.0f, totals.x / cols};
+    if (a.partial_sum_g_xhat != nullptr) {
+      if (threadIdx.x == 0) a.partial_sum_g_xhat[row] = totals.x;
+      continue;
+    }
+    const RowGrad r{mean, rstd, V::kCentered ? totals.y / cols : 0.0f, totals.x / count};
 
     if constexpr (kWriteDx) {
       T* dx = row_ptr<T>(a.dx, row, a.dx_stride);
@@ -508,7 +541,7 @@ __global__ void __launch_bounds__(kCoefThreads, 1) norm_backward_coef_kernel(con
         xv.load(x + j * kVec);
         float w[kVec];
         load_grad_weight<T, kVec, V>(a, j, nvec, w);
-        grad_input<V>(dyv, xv, w, r, unused, unused).store(dx + j * kVec);
+        grad_input<V>(dyv, xv, w, r, unused, unused, load_addend<V, T, kVec>(a, row, j)).store(dx + j * kVec);
       }
     } else if (threadIdx.x == 0) {
       reinterpret_cast<float4*>(a.coef)[row] = make_float4(r.mean, r.rstd, r.mean_g, r.mean_g_xhat);
@@ -536,20 +569,22 @@ __global__ void __launch_bounds__(kTileThreads)
 
   for (std::int64_t r = r0; r < r1; r += kTileRowBatch) {
     // Batch the loads of several rows before the first dx store (dx may alias dy).
-    Pack<T, kVec> dyv[kTileRowBatch], xv[kTileRowBatch];
+    Pack<T, kVec> dyv[kTileRowBatch], xv[kTileRowBatch], addv[kTileRowBatch];
     float4 c[kTileRowBatch];
 #pragma unroll
     for (int u = 0; u < kTileRowBatch; ++u) {
       if (r + u < r1) {
         dyv[u].load(row_ptr<T>(a.dy, r + u, a.dy_stride) + j * kVec);
         xv[u].load(row_ptr<T>(a.x, r + u, a.x_stride) + j * kVec);
+        addv[u] = load_addend<V, T, kVec>(a, r + u, j);
         c[u] = reinterpret_cast<const float4*>(a.coef)[r + u];
       }
     }
 #pragma unroll
     for (int u = 0; u < kTileRowBatch; ++u) {
       if (r + u >= r1) continue;
-      const Pack<T, kVec> out = grad_input<V>(dyv[u], xv[u], w, RowGrad{c[u].x, c[u].y, c[u].z, c[u].w}, dw, db);
+      const Pack<T, kVec> out =
+          grad_input<V>(dyv[u], xv[u], w, RowGrad{c[u].x, c[u].y, c[u].z, c[u].w}, dw, db, addv[u]);
       if (a.dx != nullptr) out.store(row_ptr<T>(a.dx, r + u, a.dx_stride) + j * kVec);
     }
   }

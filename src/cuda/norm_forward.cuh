@@ -130,6 +130,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
   const std::int64_t begin = slice.begin, end = slice.end;
   const std::int64_t step = std::int64_t{kBatch} * team;
   const float cols = static_cast<float>(a.cols);
+  // Two-phase calls (RMSNorm, the unstaged kind only; uniform across the CTA): phase 2 has
+  // the whole row's sum of squares and skips the first pass, phase 1 stops after it.
+  const bool given_sum = kStorage == RowStorage::kGlobal && a.row_sum_squares != nullptr;
+  const bool sum_only = kStorage == RowStorage::kGlobal && a.partial_sum_squares != nullptr;
 
   for (std::int64_t row = slice.first_row(); row < a.rows; row += slice.row_step()) {
     const T* x = row_ptr<T>(a.x, row, a.x_stride);
@@ -138,7 +142,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
     const T* src = V::kResidual ? res : x;
 
     float stat[1] = {0.0f};
-    for (std::int64_t j0 = begin + threadIdx.x; j0 < end; j0 += step) {
+    for (std::int64_t j0 = begin + threadIdx.x; j0 < end && !given_sum; j0 += step) {
       Pack<T, kVec> v[kBatch], r[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
@@ -162,7 +166,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
         }
       }
     }
-    row_total<kStorage>(stat, scratch, cluster_slot);
+    if (!given_sum) row_total<kStorage>(stat, scratch, cluster_slot);
+    if (sum_only) {
+      if (threadIdx.x == 0) a.partial_sum_squares[row] = stat[0];
+      continue;
+    }
 
     auto staged = [&](std::int64_t j) {
       Pack<T, kVec> v;
@@ -188,6 +196,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       }
       row_total<kStorage>(dev, scratch, cluster_slot);
       variance = dev[0] / cols;
+    } else if (given_sum) {
+      variance = a.row_sum_squares[row] / static_cast<float>(a.full_cols);
     } else {
       variance = stat[0] / cols;
     }

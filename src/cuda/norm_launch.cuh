@@ -130,6 +130,13 @@ cudaError_t launch_backward(const LaunchPlan& plan, const BackwardArgs& a, const
     return acc ? launch_backward_variant<T, BackwardVariant<true, false, true>>(plan, a, out, stream)
                : launch_backward_variant<T, BackwardVariant<true, false, false>>(plan, a, out, stream);
   }
+  if (a.dx_addend != nullptr) {
+    if (w) {
+      return acc ? launch_backward_variant<T, BackwardVariant<false, true, true, true>>(plan, a, out, stream)
+                 : launch_backward_variant<T, BackwardVariant<false, true, false, true>>(plan, a, out, stream);
+    }
+    return launch_backward_variant<T, BackwardVariant<false, false, false, true>>(plan, a, out, stream);
+  }
   if (w) {
     return acc ? launch_backward_variant<T, BackwardVariant<false, true, true>>(plan, a, out, stream)
                : launch_backward_variant<T, BackwardVariant<false, true, false>>(plan, a, out, stream);

@@ -528,6 +528,55 @@ TEST_F(ErrorTest, TwoPhaseArguments) {
   EXPECT_TRUE(sums.check_unchanged("row sums", sums_before));
 }
 
+TEST_F(ErrorTest, LayerNormPhaseArguments) {
+  Buffer sums = Buffer::floats(2 * kRows);
+  float* first = sums.float_data();
+  float* second = sums.float_data() + kRows;
+  const auto sums_before = sums.snapshot();
+  EXPECT_FUSEDNORM_ERROR(layer_norm_partial_sums(ctx, x.cmatrix(), nullptr),
+                         "fusednorm::layer_norm_partial_sums", "argument 'row_sum'", "null");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_partial_squared_deviations(ctx, x.cmatrix(), nullptr, kCols, second),
+      "fusednorm::layer_norm_partial_squared_deviations", "argument 'row_sum'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_partial_squared_deviations(ctx, x.cmatrix(), first, kCols - 1, second),
+      "fusednorm::layer_norm_partial_squared_deviations", "argument 'full_cols'");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_partial_squared_deviations(ctx, x.cmatrix(), first, kCols, first),
+      "fusednorm::layer_norm_partial_squared_deviations", "argument 'row_sum_squared_deviations'",
+      "overlaps 'row_sum'");
+  EXPECT_FUSEDNORM_ERROR(layer_norm_from_sums(ctx, x.cmatrix(), w.cvector(), bias.cvector(),
+                                              y.matrix(), first, nullptr, kCols, mean(), rstd()),
+                         "fusednorm::layer_norm_from_sums", "argument 'row_sum_squared_deviations'",
+                         "required");
+  EXPECT_FUSEDNORM_ERROR(layer_norm_from_sums(ctx, x.cmatrix(), w.cvector(), bias.cvector(),
+                                              y.matrix(), first, second, kCols, first, rstd()),
+                         "fusednorm::layer_norm_from_sums", "argument 'mean'",
+                         "overlaps 'row_sum'");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_partial_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), nullptr, rstd(),
+                                       first, second),
+      "fusednorm::layer_norm_backward_partial_sums", "argument 'mean'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_partial_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), mean(), rstd(),
+                                       nullptr, second),
+      "fusednorm::layer_norm_backward_partial_sums", "argument 'row_sum_g'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_partial_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), mean(), rstd(),
+                                       first, first),
+      "fusednorm::layer_norm_backward_partial_sums", "argument 'row_sum_g'",
+      "overlaps 'row_sum_g_xhat'");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_from_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), mean(), rstd(),
+                                    nullptr, second, kCols, dx.matrix(), dw.vector(), db.vector()),
+      "fusednorm::layer_norm_backward_from_sums", "argument 'row_sum_g'", "required");
+  EXPECT_FUSEDNORM_ERROR(
+      layer_norm_backward_from_sums(ctx, dy.cmatrix(), x.cmatrix(), w.cvector(), mean(), nullptr,
+                                    first, second, kCols, dx.matrix(), dw.vector(), db.vector()),
+      "fusednorm::layer_norm_backward_from_sums", "argument 'rstd'", "required");
+  EXPECT_TRUE(sums.check_unchanged("row sums", sums_before));
+}
+
 // ---- 64-bit views ----------------------------------------------------------------------------
 
 // Views whose extent does not fit 64-bit element (and byte) arithmetic are rejected before

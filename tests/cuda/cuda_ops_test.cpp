@@ -259,10 +259,13 @@ TEST(CudaForward, LayerNormMatchesReference) {
   }
 }
 
+// RMSNorm's dx addend: none, its own buffer, or dx's view (dy's when dx is written over dy).
+enum class Addend { kNone, kSeparate, kIntoDx };
+
 // Backward of either norm; checks dx, dw, db against the reference and that dw / db are
 // bit-identical on a second run.
-void check_backward(const Case& c, bool layer, bool want_dx, bool want_dw, bool want_db, bool pass_stats,
-                    bool dx_over_dy) {
+void check_backward(const Case& c, bool layer, bool want_dx, bool want_dw, bool want_db,
+                    bool pass_stats, bool dx_over_dy, Addend addend = Addend::kNone) {
   std::mt19937 rng = rng_for(c);
   const std::int64_t stride = c.cols + c.pad;
   const DType pdt = c.weight_f32 ? DType::kFloat32 : c.dtype;
@@ -280,18 +283,28 @@ void check_backward(const Case& c, bool layer, bool want_dx, bool want_dw, bool 
   dx.fill(NAN);
   dw.fill(NAN);
   db.fill(NAN);
+  // The addend's values; kIntoDx puts them into dx first (dx over dy: the addend is dy).
+  Buffer add(c.dtype, c.rows * stride, c.misalign);
+  add.fill_random(rng);
+  if (addend == Addend::kIntoDx && !dx_over_dy)
+    std::memcpy(dx.host(), add.host(), c.rows * stride * dtype_size(c.dtype));
   x.upload();
   dy.upload();
   w.upload();
   dx.upload();
   dw.upload();
   db.upload();
+  add.upload();
 
   const ConstMatrix xd = const_matrix(x.device(), c.dtype, c.rows, c.cols, stride);
   const ConstMatrix dyd = const_matrix(dy.device(), c.dtype, c.rows, c.cols, stride);
   void* dx_ptr = !want_dx ? nullptr : dx_over_dy ? dy.device() : dx.device();
   const Matrix dxd = dx_ptr ? matrix(dx_ptr, c.dtype, c.rows, c.cols, stride) : Matrix{};
   const ConstVector wv = c.weight ? ConstVector{w.device(), pdt, c.cols} : ConstVector{};
+  const ConstMatrix addd = addend == Addend::kSeparate
+                               ? const_matrix(add.device(), c.dtype, c.rows, c.cols, stride)
+                           : addend == Addend::kIntoDx ? ConstMatrix(dxd)
+                                                       : ConstMatrix{};
   auto run = [&](void* dw_ptr) {
     const Vector dwv = want_dw ? Vector{dw_ptr, pdt, c.cols} : Vector{};
     const Vector dbv = want_db ? Vector{db.device(), pdt, c.cols} : Vector{};
@@ -301,7 +314,7 @@ void check_backward(const Case& c, bool layer, bool want_dx, bool want_dw, bool 
       layer_norm_backward(kGpu, dyd, xd, wv, m, r, dxd, dwv, dbv, {}, {ws, ws_bytes});
     } else {
       const float* r = pass_stats ? static_cast<float*>(rstd.device()) : nullptr;
-      rms_norm_backward(kGpu, dyd, xd, wv, r, dxd, dwv, {1e-6f, c.offset}, {ws, ws_bytes});
+      rms_norm_backward(kGpu, dyd, xd, wv, r, dxd, dwv, {1e-6f, c.offset}, {ws, ws_bytes}, addd);
     }
   };
   if (pass_stats) {  // the forward's statistics, as autograd would pass them
@@ -317,6 +330,7 @@ void check_backward(const Case& c, bool layer, bool want_dx, bool want_dw, bool 
   // Results from a second run (dx input restored first when it overwrote dy).
   run(dw2.device());
   if (dx_over_dy) dy.upload();
+  if (addend == Addend::kIntoDx && !dx_over_dy) dx.upload();
   run(dw.device());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   if (dx_over_dy) dy.download(); else dx.download();
@@ -330,8 +344,12 @@ void check_backward(const Case& c, bool layer, bool want_dx, bool want_dw, bool 
   { std::mt19937 rng2 = rng_for(c); x.fill_random(rng2, layer ? -1.0f : -2.0f, layer ? 3.0f : 2.0f); dy_in.fill_random(rng2); }
   const ConstMatrix dyh = const_matrix(dy_in.host(), c.dtype, c.rows, c.cols, stride);
   const ConstVector wh = c.weight ? ConstVector{w.host(), pdt, c.cols} : ConstVector{};
+  const ConstMatrix addh = addend == Addend::kNone ? ConstMatrix{}
+                           : addend == Addend::kIntoDx && dx_over_dy
+                               ? dyh
+                               : const_matrix(add.host(), c.dtype, c.rows, c.cols, stride);
   const auto ref = layer ? reference::layer_norm_backward(dyh, xh, wh, want_db)
-                         : reference::rms_norm_backward(dyh, xh, wh, {1e-6f, c.offset});
+                         : reference::rms_norm_backward(dyh, xh, wh, {1e-6f, c.offset}, addh);
   Buffer& dx_out = dx_over_dy ? dy : dx;
   const double tol = tolerance(c.dtype) * 2;
   if (want_dx) {
@@ -429,6 +447,158 @@ TEST(CudaBackward, PartialOutputsAndAliasing) {
       check_backward(c, false, false, true, false, true, false);  // dw only
       check_backward(c, true, false, false, true, false, false);  // db only, stats recomputed
       check_backward(c, true, true, true, false, true, true);     // dx over dy with dw
+    }
+  }
+}
+
+// The fused add's backward: dx = norm's dx + dx_addend, in every backward kernel family
+// (register rows, staged rows, clusters, the two-pass kernels).
+TEST(CudaBackward, DxAddendMatchesReference) {
+  REQUIRE_GPU();
+  int n = 0;
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(c.name());
+    const Addend addend = n++ % 2 == 0 ? Addend::kSeparate : Addend::kIntoDx;
+    check_backward(c, false, true, c.weight, false, c.cols % 2 == 0, false, addend);
+  }
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (std::int64_t cols : {128, 4096, 65536}) {
+      const Case c{dt, 19, cols};
+      SCOPED_TRACE(c.name());
+      check_backward(c, false, true, false, false, true, true,
+                     Addend::kIntoDx);  // dx = dy = addend, dx only
+      check_backward(c, false, true, true, false, false, true,
+                     Addend::kSeparate);  // dx over dy with dw
+    }
+  }
+}
+
+TEST(CudaBackward, DxAddendOnTheTwoPassKernels) {
+  REQUIRE_GPU();
+  setenv("FUSEDNORM_CUDA_STAGED_ROWS", "0", 1);
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (const Case& c : {Case{dt, 37, 16384}, Case{dt, 5, 12288, 3, 1, false}}) {
+      SCOPED_TRACE(c.name());
+      check_backward(c, false, true, c.weight, false, true, false,
+                     Addend::kSeparate);  // coef + tile kernels
+      check_backward(c, false, true, false, false, true, false,
+                     Addend::kIntoDx);  // coef kernel writes dx
+    }
+  }
+  unsetenv("FUSEDNORM_CUDA_STAGED_ROWS");
+}
+
+// The two-phase RMSNorm: the row cut into `cuts` slices (column sub-views of the same device
+// buffers), phase-1 sums added in slice order on the host as an all-reduce would, against the
+// reference of the whole row: fused-add forward (residual, y, rstd) and backward with the
+// dx addend (dx, dw).
+void check_two_phase(const Case& c, const std::vector<std::int64_t>& cuts) {
+  std::mt19937 rng = rng_for(c);
+  const std::int64_t stride = c.cols + c.pad;
+  const std::size_t slices = cuts.size() - 1;
+  const DType pdt = c.weight_f32 ? DType::kFloat32 : c.dtype;
+  const std::size_t esize = dtype_size(c.dtype), psize = dtype_size(pdt);
+  Buffer x(c.dtype, c.rows * stride, c.misalign), res(c.dtype, c.rows * stride, c.misalign);
+  Buffer y(c.dtype, c.rows * stride, c.misalign), dy(c.dtype, c.rows * stride, c.misalign);
+  Buffer dx(c.dtype, c.rows * stride, c.misalign), add(c.dtype, c.rows * stride, c.misalign);
+  Buffer w(pdt, c.cols, c.misalign), dw(pdt, c.cols);
+  Buffer rstd(DType::kFloat32, c.rows), partial(DType::kFloat32, c.rows),
+      total(DType::kFloat32, c.rows);
+  x.fill_random(rng);
+  res.fill_random(rng);
+  dy.fill_random(rng);
+  add.fill_random(rng);
+  w.fill_random(rng, 0.5f, 1.5f);
+  y.fill(NAN);
+  dx.fill(NAN);
+  dw.fill(NAN);
+  for (Buffer* b : {&x, &res, &y, &dy, &dx, &add, &w, &dw}) b->upload();
+  const RmsNormOptions opt{1e-6f, c.offset};
+  const ConstVector wh = c.weight ? ConstVector{w.host(), pdt, c.cols} : ConstVector{};
+  const auto ref = reference::fused_add_rms_norm(
+      const_matrix(x.host(), c.dtype, c.rows, c.cols, stride),
+      const_matrix(res.host(), c.dtype, c.rows, c.cols, stride), wh, opt);
+  auto cols_of = [&](Buffer& b, std::size_t k) {
+    return matrix(static_cast<char*>(b.device()) + cuts[k] * esize, c.dtype, c.rows,
+                  cuts[k + 1] - cuts[k], stride);
+  };
+  auto weight_of = [&](Buffer& b, std::size_t k) {
+    return c.weight ? Vector{static_cast<char*>(b.device()) + cuts[k] * psize, pdt,
+                             cuts[k + 1] - cuts[k]}
+                    : Vector{};
+  };
+  // The "all-reduce": per-slice partial sums added in slice order.
+  auto all_reduce = [&](const std::function<void(std::size_t, float*)>& phase1) {
+    std::vector<float> sum(static_cast<std::size_t>(c.rows), 0.0f);
+    for (std::size_t k = 0; k < slices; ++k) {
+      phase1(k, static_cast<float*>(partial.device()));
+      CUDA_OK(cudaDeviceSynchronize());
+      partial.download();
+      for (std::int64_t r = 0; r < c.rows; ++r) sum[r] += partial.get(r);
+    }
+    std::memcpy(total.host(), sum.data(), sum.size() * sizeof(float));
+    total.upload();
+  };
+  all_reduce([&](std::size_t k, float* out) {
+    fused_add_partial_sum_squares(kGpu, cols_of(x, k), cols_of(res, k), out);
+  });
+  for (std::size_t k = 0; k < slices; ++k) {
+    rms_norm_from_sum_squares(kGpu, cols_of(res, k), weight_of(w, k), cols_of(y, k),
+                              static_cast<const float*>(total.device()), c.cols,
+                              static_cast<float*>(rstd.device()), opt);
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  y.download();
+  res.download();
+  rstd.download();
+  auto at = [&](std::int64_t i) { return i / c.cols * stride + i % c.cols; };
+  expect_close(
+      ref.residual, [&](std::int64_t i) { return res.get(at(i)); }, 0.0, "residual");
+  expect_close(
+      ref.y, [&](std::int64_t i) { return y.get(at(i)); }, tolerance(c.dtype), "y");
+  expect_close(
+      ref.rstd, [&](std::int64_t i) { return rstd.get(i); }, 2e-5, "rstd");
+
+  const std::size_t ws_bytes = backward_workspace_bytes(kGpu, c.rows, c.cols);
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, ws_bytes), cudaSuccess);
+  const float* rstd_d = static_cast<const float*>(rstd.device());
+  all_reduce([&](std::size_t k, float* out) {
+    rms_norm_backward_partial_sums(kGpu, cols_of(dy, k), cols_of(res, k), weight_of(w, k), rstd_d,
+                                   out, opt);
+  });
+  for (std::size_t k = 0; k < slices; ++k) {
+    rms_norm_backward_from_sums(kGpu, cols_of(dy, k), cols_of(res, k), weight_of(w, k), rstd_d,
+                                static_cast<const float*>(total.device()), c.cols, cols_of(dx, k),
+                                weight_of(dw, k), opt, {ws, ws_bytes}, cols_of(add, k));
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  cudaFree(ws);
+  dx.download();
+  dw.download();
+  const auto grad =
+      reference::rms_norm_backward(const_matrix(dy.host(), c.dtype, c.rows, c.cols, stride),
+                                   const_matrix(res.host(), c.dtype, c.rows, c.cols, stride), wh,
+                                   opt, const_matrix(add.host(), c.dtype, c.rows, c.cols, stride));
+  std::vector<double> scale(grad.dx.size());
+  for (std::size_t i = 0; i < scale.size(); ++i)
+    scale[i] = grad.dx_scale[i / static_cast<std::size_t>(c.cols)];
+  expect_close(
+      grad.dx, [&](std::int64_t i) { return dx.get(at(i)); }, tolerance(c.dtype) * 2, "dx", &scale);
+  if (c.weight)
+    expect_close(
+        grad.dw, [&](std::int64_t i) { return dw.get(i); }, std::max(tolerance(pdt), 1e-4), "dw");
+}
+
+TEST(CudaTwoPhase, SlicesMatchReference) {
+  REQUIRE_GPU();
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (const Case& c : {Case{dt, 37, 1024}, Case{dt, 5, 4096, 8, 0, true, true, 1.0f},
+                          Case{dt, 7, 999, 3, 1, false}, Case{dt, 3, 16384}}) {
+      SCOPED_TRACE(c.name());
+      check_two_phase(c, {0, c.cols});                                    // one slice
+      check_two_phase(c, {0, c.cols / 2, c.cols});                        // two even slices
+      check_two_phase(c, {0, c.cols / 3 + 1, 2 * (c.cols / 3), c.cols});  // three uneven ones
     }
   }
 }

@@ -279,6 +279,20 @@ TEST(LaunchPlan, InvariantsOverSweep) {
   }
 }
 
+// The two-phase (column-sliced) calls run the two-pass kernels' passes separately, whatever
+// the shape; their partial slots stay within the workspace bound.
+TEST(LaunchPlan, TwoPassOnlyForcesTheTwoPassKernels) {
+  PlanOptions two_pass;
+  two_pass.two_pass_only = true;
+  for (const std::int64_t cols : {1, 128, 4096, 65536}) {
+    SCOPED_TRACE(cols);
+    EXPECT_EQ(plan_forward(shape(1024, cols, 2), kH200, two_pass).kind, KernelKind::kTwoPass);
+    const LaunchPlan back = plan_backward(shape(1024, cols, 2, true, 1), kH200, two_pass);
+    EXPECT_EQ(back.kind, KernelKind::kTwoPass);
+    EXPECT_LE(back.partial_slots, max_partial_slots(1024, cols));
+  }
+}
+
 TEST(LaunchPlan, WorkspaceCoversEveryBackwardPlan) {
   for (std::int64_t rows : {std::int64_t{0}, std::int64_t{1}, std::int64_t{4096}, std::int64_t{1} << 20}) {
     for (std::int64_t cols : {std::int64_t{1}, std::int64_t{128}, std::int64_t{4096}, std::int64_t{262144}}) {
