@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test on a fresh or prepared machine, installing what is missing first:
 #   1. C++ library, benchmark and GoogleTest suite (Release, warnings as errors; the CUDA
-#      sources are compiled when nvcc exists, and GPU tests skip without a GPU),
+#      sources are compiled when nvcc exists, their SASS checked with cuobjdump from PyPI,
+#      and GPU tests skip without a GPU),
 #   2. the same suite under AddressSanitizer + UndefinedBehaviorSanitizer,
 #   3. the installed package consumed by a separate CMake project (find_package),
 #   4. fusednorm-bench on a small problem (checks its results against the reference),
@@ -11,6 +12,9 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 
 echo "== 1. build and C++ tests (Release)"
+if [ "${FUSEDNORM_CUDA:-AUTO}" != OFF ] && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }; then
+  scripts/setup_sass_tools.sh  # cuobjdump / nvdisasm for the SASS checks of the CUDA build
+fi
 scripts/setup.sh                          # prerequisites, the library and fusednorm-bench
 cmake --build build/release -j"$jobs"     # the rest: test suites, CUDA emulation
 ctest --test-dir build/release --output-on-failure -j"$jobs"

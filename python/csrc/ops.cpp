@@ -1,7 +1,7 @@
 // fusednorm as PyTorch operators: the schemas (TORCH_LIBRARY), the device-neutral bodies and
-// the CPU registration. Fake (meta) kernels and autograd are registered from Python
-// (fusednorm/_meta.py, loaded by `import fusednorm`); set_python_module below names it, and
-// torch checks that they are registered from there.
+// the CPU registration. Fake (meta) kernels are registered from Python (fusednorm/_meta.py,
+// loaded by `import fusednorm`); set_python_module below names it, and torch checks that
+// they are registered from there. Autograd is registered in C++ (autograd.cpp).
 //
 // Conventions shared by every operator:
 //  - x is [..., D]; outputs are new contiguous tensors with x's shape and dtype; per-row
@@ -401,8 +401,9 @@ struct CpuScope {
 }  // namespace fusednorm::torch_ext
 
 TORCH_LIBRARY(fusednorm, m) {
-  // Fake kernels and autograd formulas live in Python. A library loaded with
-  // torch.ops.load_library alone runs eagerly; `import fusednorm` adds the rest.
+  // Fake kernels live in Python (autograd: autograd.cpp). A library loaded with
+  // torch.ops.load_library alone runs eagerly with autograd; `import fusednorm` adds the
+  // fake kernels that torch.compile needs.
   m.set_python_module("fusednorm._meta");
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
   m.def("rms_norm(Tensor x, Tensor? weight, float eps=1e-06, float weight_offset=0.) -> Tensor",

@@ -23,6 +23,11 @@ Operators (all normalize over the last dimension of a ``[..., D]`` tensor)::
     layer_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? mean, Tensor? rstd,
                         float eps, bool compute_dw=True, bool compute_db=True)
                         -> (Tensor dx, Tensor dw, Tensor db)
+
+Each forward operator has an ``.out`` overload writing into the caller's tensors
+(``rms_norm.out(x, weight, eps, weight_offset, *, out)``, ``rms_norm_fwd.out(..., *, y,
+rstd)``, ``fused_add_rms_norm.out(..., *, out)``, ``layer_norm.out(..., *, out)``,
+``layer_norm_fwd.out(..., *, y, mean, rstd)``); the functions take it as ``out=``.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def _operators_registered() -> bool:
 if not _operators_registered():
     torch.ops.load_library(library_path())
 
-from . import _meta  # noqa: E402,F401  (fake kernels and autograd)
+from . import _meta  # noqa: E402,F401  (fake kernels; autograd is registered in C++)
 from .functional import fused_add_rms_norm, layer_norm, rms_norm  # noqa: E402
 from .hf import patch_hf  # noqa: E402
 from .modules import FusedAddRMSNorm, LayerNorm, RMSNorm  # noqa: E402

@@ -279,19 +279,6 @@ def _as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == like.dtype else t.to(like.dtype)
 
 
-def rms_norm_backward_with_addend(dy, x, weight, rstd, eps, weight_offset, compute_dw, addend):
-    """rms_norm_backward with dx_addend; the CUDA backend has no addend yet (it raises), so
-    there the addend is added in a second pass."""
-    if addend is not None and x.device.type == "cuda":
-        dx, dw = torch.ops.fusednorm.rms_norm_backward(
-            dy, x, weight, rstd, eps, weight_offset, compute_dw
-        )
-        return dx + addend, dw
-    return torch.ops.fusednorm.rms_norm_backward(
-        dy, x, weight, rstd, eps, weight_offset, compute_dw, addend
-    )
-
-
 def _fused_add_setup(ctx, inputs, output):
     _, _, weight, eps, weight_offset = inputs
     _, residual_out, rstd = output
@@ -307,7 +294,7 @@ def _fused_add_backward(ctx, dy, d_residual_out, unused_drstd):
     # is the gradient of both x and residual.
     s, weight, rstd = ctx.saved_tensors
     want_x, want_residual, want_dw = ctx.needs_input_grad[:3]
-    ds, dw = rms_norm_backward_with_addend(
+    ds, dw = torch.ops.fusednorm.rms_norm_backward(
         _as(dy, s), s, weight, rstd, ctx.eps, ctx.weight_offset,
         weight is not None and want_dw,
         None if d_residual_out is None else _as(d_residual_out, s),

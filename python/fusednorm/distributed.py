@@ -38,8 +38,6 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from ._meta import rms_norm_backward_with_addend
-
 __all__ = ["rms_norm", "fused_add_rms_norm", "layer_norm", "is_dtensor"]
 
 
@@ -207,9 +205,7 @@ def _rms_backward(dy, s, weight, rstd, eps, weight_offset, want_dw, addend, layo
     ops = torch.ops.fusednorm
     compute_dw = weight is not None and want_dw
     if layout.hidden_mesh_dim is None:
-        return rms_norm_backward_with_addend(
-            dy, s, weight, rstd, eps, weight_offset, compute_dw, addend
-        )
+        return ops.rms_norm_backward(dy, s, weight, rstd, eps, weight_offset, compute_dw, addend)
     partial = ops.rms_norm_backward_partial_sums(dy, s, weight, rstd, weight_offset)
     total = _row_sum_all_reduce(partial, layout)
     return ops.rms_norm_backward_from_sums(

@@ -95,22 +95,29 @@ class PreparedVector {
 // FUSEDNORM_STREAM_MIN_BYTES overrides it for measurements and tests.
 constexpr std::size_t kDefaultStreamMinBytes = std::size_t{16} << 20;
 
-// Rows shorter than this are not streamed by default: with 256 B to 2 KiB rows (bf16,
-// D = 128 to 1024, 32 MiB outputs, 2 threads) streaming was 5-60% slower in every
+// Rows shorter than this are not streamed row by row: with 256 B to 2 KiB rows (bf16,
+// D = 128 to 1024, 32 MiB outputs, 2 threads) streaming each row was 5-60% slower in every
 // measurement, aligned or not; the partial lines at both ends of each row go through
-// ordinary stores and little is left to stream.
+// ordinary stores and little is left to stream. (Short RMSNorm rows are streamed a block
+// of rows at a time instead: forward_short_rows.)
 constexpr std::size_t kMinStreamRowBytes = 4096;
 
-bool stream_output(std::int64_t rows, std::int64_t cols, DType dtype) {
-  // FUSEDNORM_STREAM_MIN_BYTES, when set, is the only criterion (tests force streaming
-  // on every shape with it).
+// FUSEDNORM_STREAM_MIN_BYTES, when set, replaces the size threshold and is the only
+// criterion (tests force streaming on every shape with it).
+const char* stream_override() {
   static const char* const override_bytes = std::getenv("FUSEDNORM_STREAM_MIN_BYTES");
+  return override_bytes;
+}
+bool large_output(std::int64_t rows, std::int64_t cols, DType dtype) {
   static const std::size_t min_bytes =
-      override_bytes ? static_cast<std::size_t>(std::strtoull(override_bytes, nullptr, 10))
-                     : kDefaultStreamMinBytes;
+      stream_override() ? static_cast<std::size_t>(std::strtoull(stream_override(), nullptr, 10))
+                        : kDefaultStreamMinBytes;
+  return static_cast<std::size_t>(rows * cols) * dtype_size(dtype) >= min_bytes;
+}
+bool stream_output(std::int64_t rows, std::int64_t cols, DType dtype) {
   const std::size_t row_bytes = static_cast<std::size_t>(cols) * dtype_size(dtype);
-  if (override_bytes == nullptr && row_bytes < kMinStreamRowBytes) return false;
-  return static_cast<std::size_t>(rows) * row_bytes >= min_bytes;
+  if (stream_override() == nullptr && row_bytes < kMinStreamRowBytes) return false;
+  return large_output(rows, cols, dtype);
 }
 
 // Chunked reduction over columns [0, cols) of one row, in the fixed order shared with the
@@ -210,7 +217,8 @@ struct ForwardCall {
        advance(y_row(r), begin, esize), n, mean, rstd, weight_offset);
   }
   static const void* param_at(const ConstVector& v, std::int64_t begin) {
-    return v.data == nullptr ? nullptr : advance(v.data, begin, dtype_size(v.dtype));
+    // (dtype_size is an out-of-line call; this runs once per row.)
+    return v.data == nullptr ? nullptr : advance(v.data, begin, v.dtype == DType::kFloat32 ? 4 : 2);
   }
   // Row r's statistics: from the whole row's sums (phase 2 of a phased call), else
   // computed from the row; the same arithmetic as compute_row_stats.
@@ -317,31 +325,45 @@ void forward_split_rows(const ForwardCall& call, int threads) {
   });
 }
 
-// Many short RMSNorm rows (D <= kMaxShortRow, not streamed): blocks of rows through the
-// multi-row kernel, which gives each row the bits of the one-row path.
+// Many short RMSNorm rows (D <= kMaxShortRow): blocks of rows through the multi-row
+// kernel, which gives each row the bits of the one-row path. A large output with
+// contiguous rows is written through a staging buffer in L1 that is then copied out with
+// non-temporal stores, so a block of rows streams as one run of whole cache lines (rows
+// streamed one by one were slower: kMinStreamRowBytes).
 constexpr std::int64_t kShortRowsPerTask = 64;
+constexpr std::size_t kStagingBytes = 16 * 1024;
 bool use_short_rows(const ForwardCall& call) {
-  return !call.centered && !call.stream && call.p.cols() <= kMaxShortRow;
+  return !call.centered && call.p.cols() <= kMaxShortRow;
 }
 void forward_short_rows(const ForwardCall& call, int threads) {
   const ForwardProblem& p = call.p;
   const RmsRowsFn fn = call.k.rms_rows[p.has_residual()][call.weight_type];
-  parallel_for(threads, ceil_div(p.rows(), kShortRowsPerTask), [&](std::int64_t task) {
-    const std::int64_t first = task * kShortRowsPerTask;
+  const std::size_t row_bytes = static_cast<std::size_t>(p.cols()) * call.esize;
+  const bool staged = p.y.row_stride == p.cols() && row_bytes <= kStagingBytes &&
+                      large_output(p.rows(), p.cols(), p.x.dtype);
+  const std::int64_t rows_per_task =
+      staged ? static_cast<std::int64_t>(kStagingBytes / row_bytes) : kShortRowsPerTask;
+  const StreamCopyFn stream_copy = row_kernels().stream_copy;
+  parallel_for(threads, ceil_div(p.rows(), rows_per_task), [&](std::int64_t task) {
+    alignas(64) unsigned char staging[kStagingBytes];
+    const std::int64_t first = task * rows_per_task;
     RmsRows block;
     block.x = call.x_row(first);
     block.x_stride = p.x.row_stride;
     block.residual = p.has_residual() ? call.residual_row(first) : nullptr;
     block.residual_stride = p.residual.row_stride;
-    block.y = call.y_row(first);
+    block.y = staged ? static_cast<void*>(staging) : call.y_row(first);
     block.y_stride = p.y.row_stride;
     block.w = p.weight.data;
     block.w_offset = call.weight_offset;
     block.eps = p.eps;
     block.rstd = p.rstd != nullptr ? p.rstd + first : nullptr;
-    block.rows = std::min(kShortRowsPerTask, p.rows() - first);
+    block.rows = std::min(rows_per_task, p.rows() - first);
     block.n = p.cols();
     fn(block);
+    if (staged) {
+      stream_copy(call.y_row(first), staging, static_cast<std::int64_t>(block.rows * row_bytes));
+    }
   });
 }
 

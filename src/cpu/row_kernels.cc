@@ -378,7 +378,11 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
     if constexpr (kCentered) out = hn::Sub(out, vmean);
     out = hn::Mul(out, vrstd);
     if constexpr (!std::is_void_v<W>) {
-      out = hn::Mul(out, hn::Add(LoadParam<W>(full, df, w, i, count), voffset));
+      // LayerNorm has no weight offset: no add (which would also stop the compiler from
+      // folding the weight's load into the multiply).
+      VF wv = LoadParam<W>(full, df, w, i, count);
+      if constexpr (!kCentered) wv = hn::Add(wv, voffset);
+      out = hn::Mul(out, wv);
     }
     if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, df, b, i, count));
     return out;
@@ -526,6 +530,26 @@ void BackwardApplyPair(const BackwardRows<2>& rows, const float* w, float* dw_ac
                                                                           n);
 }
 
+void StreamCopy(void* dst_ptr, const void* src_ptr, int64_t bytes) {
+  const hn::ScalableTag<uint8_t> d8;
+  const auto N = static_cast<int64_t>(hn::Lanes(d8));
+  auto* dst = static_cast<uint8_t*>(dst_ptr);
+  const auto* src = static_cast<const uint8_t*>(src_ptr);
+  constexpr int64_t kLine = 64;
+  const auto head =
+      static_cast<int64_t>((kLine - reinterpret_cast<uintptr_t>(dst) % kLine) % kLine);
+  if (kLine % N != 0 || N < 16 || head + kLine > bytes) {
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+    return;
+  }
+  std::memcpy(dst, src, static_cast<size_t>(head));
+  int64_t i = head;
+  for (; i + kLine <= bytes; i += kLine) {
+    for (int64_t k = 0; k < kLine; k += N) hn::Stream(hn::LoadU(d8, src + i + k), d8, dst + i + k);
+  }
+  std::memcpy(dst + i, src + i, static_cast<size_t>(bytes - i));
+}
+
 // ---- Table construction ----------------------------------------------------------------
 
 // One backward-apply variant into both tables (one row, two rows).
@@ -625,6 +649,7 @@ void FillRowKernels(RowKernels* kernels) {
   FillDType<float>(&kernels->by_dtype[static_cast<int>(DType::kFloat32)]);
   FillDType<hwy::float16_t>(&kernels->by_dtype[static_cast<int>(DType::kFloat16)]);
   FillDType<hwy::bfloat16_t>(&kernels->by_dtype[static_cast<int>(DType::kBFloat16)]);
+  kernels->stream_copy = &StreamCopy;
   kernels->target_name = hwy::TargetName(HWY_TARGET);
 }
 

@@ -48,7 +48,8 @@ using SumSquaresFn = float (*)(const void* x, std::int64_t n, float center);
 // residual <- round(x + residual); returns the sum of squares of the rounded residual.
 using AddResidualFn = float (*)(const void* x, void* residual, std::int64_t n);
 // y = (x - mean) * rstd [* (w + w_offset)] [+ b]; w and b in the dtypes of the table slot
-// (ParamType). w_offset comes from kernel_weight_offset().
+// (ParamType). w_offset comes from kernel_weight_offset(); the centered (LayerNorm) kernels
+// have none and ignore it.
 using NormalizeFn = void (*)(const void* x, const void* w, const void* b, void* y, std::int64_t n,
                              float mean, float rstd, float w_offset);
 
@@ -113,8 +114,13 @@ struct DTypeKernels {
   BackwardApplyPairFn backward_apply_pair[2][2][2][2][2][2];  // as backward_apply
 };
 
+// dst[0, bytes) = src[0, bytes), with non-temporal stores for every whole 64-byte line of
+// dst and ordinary stores for the partial lines at its ends. The caller fences.
+using StreamCopyFn = void (*)(void* dst, const void* src, std::int64_t bytes);
+
 struct RowKernels {
   DTypeKernels by_dtype[3];  // indexed by DType
+  StreamCopyFn stream_copy;
   const char* target_name;
 };
 

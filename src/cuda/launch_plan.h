@@ -150,5 +150,13 @@ inline constexpr std::int64_t kMaxGrid = 2147483647;
 inline constexpr std::int64_t kStaticSmemReserve = 1024;  // kernels' static shared memory
 inline constexpr int kTwoPassThreads = 512;  // two-pass forward and backward row kernels
 inline constexpr int kTileThreads = 256;     // two-pass backward column-tile kernel
+inline constexpr int kFinishThreads =
+    1024;  // dw / db finishing kernel: 32 columns x up to 32 lanes
+// Registers per SM (sm_80, sm_90): a CTA of n threads launches only when each thread needs
+// at most kRegistersPerSm / n registers. tests/cuda/check_sass.py checks every compiled kernel
+// against the largest CTA the planner gives its family (kMaxThreadsPerCta: 128 registers).
+// The persistent grids count the CTAs resident per SM by threads alone, which holds only at
+// 32 registers (2048 threads); the kernels use 32-118 (src/cuda/NOTES.md).
+inline constexpr int kRegistersPerSm = 65536;
 
 }  // namespace fusednorm::cuda

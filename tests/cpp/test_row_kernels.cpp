@@ -7,6 +7,7 @@
 // be written past n.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <set>
 
@@ -106,6 +107,7 @@ TEST(RowKernels, EveryTargetIsListedAndComplete) {
       }
     }
   }
+  for (const TargetKernels& t : targets()) EXPECT_NE(t.kernels.stream_copy, nullptr) << t.name;
   EXPECT_EQ(names.size(), targets().size()) << "a target is listed twice";
   // The dispatched table is one of them.
   EXPECT_EQ(names.count(cpu::row_kernels().target_name), 1u);
@@ -418,6 +420,30 @@ TEST_P(RowKernelTest, BackwardDotsAndApply) {
               }
             }
           }
+        }
+      }
+    }
+  }
+}
+
+// stream_copy copies exactly [0, bytes) at every alignment of the destination: the
+// streamed lines, the ordinary head and tail, and copies too short to stream.
+TEST(RowKernels, StreamCopyCopiesExactlyTheBytes) {
+  for (const TargetKernels& t : targets()) {
+    for (const std::int64_t bytes : {0, 1, 63, 64, 65, 127, 128, 200, 1000, 4096}) {
+      for (std::int64_t offset = 0; offset < 64; offset += 7) {
+        SCOPED_TRACE(::testing::Message()
+                     << t.name << ", " << bytes << " bytes at offset " << offset);
+        std::vector<unsigned char> src(static_cast<std::size_t>(bytes) + 64);
+        for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 7 + 1);
+        alignas(64) unsigned char dst[4096 + 192];
+        std::memset(dst, 0xA5, sizeof dst);
+        t.kernels.stream_copy(dst + 64 + offset, src.data() + 3, bytes);
+        for (std::int64_t i = 0; i < static_cast<std::int64_t>(sizeof dst); ++i) {
+          const std::int64_t j = i - 64 - offset;
+          const unsigned char want = (j >= 0 && j < bytes) ? src[static_cast<std::size_t>(j) + 3]
+                                                           : static_cast<unsigned char>(0xA5);
+          ASSERT_EQ(dst[i], want) << "byte " << j;
         }
       }
     }

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdarg>
@@ -60,23 +61,91 @@ constexpr std::size_t kFiberStackBytes = 256 * 1024;
 constexpr unsigned char kSmemGarbage = 0xff;  // uninitialized shared memory reads as NaN
 constexpr unsigned char kSmemCanary = 0xa5;    // past the launch's dynamic shared memory
 
-// The order in which the scheduler resumes a CTA's threads in each pass:
-// FUSEDNORM_EMU_SCHEDULE=reverse runs them from the last to the first. A missing barrier
-// between one thread's write and another's read goes unseen when the writer happens to run
-// first; one of the two orders runs the reader first.
-bool reverse_schedule() {
-  static const bool reverse = [] {
-    const char* env = std::getenv("FUSEDNORM_EMU_SCHEDULE");
-    return env != nullptr && std::string(env) == "reverse";
-  }();
-  return reverse;
-}
-
 int sm_count() {
   const char* env = std::getenv("FUSEDNORM_EMU_SMS");
   const int n = env != nullptr ? std::atoi(env) : 0;
   return n > 0 ? n : 4;
 }
+
+[[noreturn]] void fatal(const char* format, ...);
+
+// ---- Schedules ---------------------------------------------------------------------------
+//
+// Which runnable GPU thread runs next, at every switch point (a barrier, a shuffle, an
+// atomic): FUSEDNORM_EMU_SCHEDULE. A missing barrier between one thread's write and another
+// thread's read is seen only by a schedule that runs the reader first; each schedule below
+// runs some racing pair in the order the other schedules do not.
+//   forward      threads in index order, each up to its next switch point, then again
+//                (the CTAs of a cluster: rank order, each until all its threads wait at
+//                cluster.sync() or have finished);
+//   reverse      the same from the last thread (and the last rank) to the first;
+//   warp-greedy  one warp's lanes until every lane waits at a CTA- or cluster-wide barrier
+//                or has finished, then the next warp: a warp runs ahead of the others
+//                across its shuffles, as warps do on hardware;
+//   random:SEED  seeded: a random warp and lane at each switch point, warps sticky for a
+//                random while (how sticky is drawn per CTA), the thread that releases a
+//                barrier not always first past it, and the running CTA of a cluster handed
+//                over at random switch points. Each launch and CTA draws from
+//                (SEED, launch number in the process, CTA index): the same command with
+//                the same seed (same tests, same filter) replays the same run.
+enum class ScheduleKind { kForward, kReverse, kWarpGreedy, kRandom };
+struct Schedule {
+  ScheduleKind kind = ScheduleKind::kForward;
+  std::uint64_t seed = 0;
+  std::string name = "forward";
+};
+
+const Schedule& schedule() {
+  static const Schedule chosen = [] {
+    const char* env = std::getenv("FUSEDNORM_EMU_SCHEDULE");
+    const std::string value = env != nullptr ? env : "";
+    Schedule s;
+    if (value.empty() || value == "forward") return s;
+    s.name = value;
+    if (value == "reverse") {
+      s.kind = ScheduleKind::kReverse;
+      return s;
+    }
+    if (value == "warp-greedy") {
+      s.kind = ScheduleKind::kWarpGreedy;
+      return s;
+    }
+    const std::string prefix = "random:";
+    if (value.compare(0, prefix.size(), prefix) == 0 && value.size() > prefix.size()) {
+      char* end = nullptr;
+      s.seed = std::strtoull(value.c_str() + prefix.size(), &end, 10);
+      if (end != nullptr && *end == '\0') {
+        s.kind = ScheduleKind::kRandom;
+        return s;
+      }
+    }
+    fatal("FUSEDNORM_EMU_SCHEDULE=%s: expected forward, reverse, warp-greedy or random:<seed>",
+          value.c_str());
+  }();
+  return chosen;
+}
+
+bool random_schedule() { return schedule().kind == ScheduleKind::kRandom; }
+
+// splitmix64: small, seedable, and the same on every platform (std:: distributions are not).
+struct Rng {
+  std::uint64_t state = 0;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  unsigned below(unsigned n) { return static_cast<unsigned>(((next() >> 32) * n) >> 32); }
+  bool one_in(unsigned n) { return below(n) == 0; }
+};
+Rng rng_for(std::uint64_t launch, std::uint64_t block) {
+  Rng r{schedule().seed};
+  r.state = r.next() ^ (launch * 0xd1b54a32d192ed03ull);
+  r.state = r.next() ^ (block * 0x8cb92ba72f3d8dd7ull);
+  return r;
+}
+std::atomic<std::uint64_t> launch_count{0};
 
 [[noreturn]] void fatal(const char* format, ...) {
   std::va_list args;
@@ -84,6 +153,9 @@ int sm_count() {
   std::fputs("cuda_emu: ", stderr);
   std::vfprintf(stderr, format, args);
   std::fputc('\n', stderr);
+  const char* env = std::getenv("FUSEDNORM_EMU_SCHEDULE");
+  std::fprintf(stderr, "cuda_emu: schedule FUSEDNORM_EMU_SCHEDULE=%s\n",
+               env != nullptr ? env : "forward");
   va_end(args);
   std::fflush(stderr);
   std::abort();
@@ -154,42 +226,97 @@ cudaError_t fail(cudaError_t err) {
   return err;
 }
 
-// ---- A cluster's OS-level barrier and its CTAs' shared-memory anchors --------------------
-
+// ---- A cluster: its CTAs' OS threads, shared-memory anchors and the turn between them ------
+//
+// Each CTA of a cluster runs on an OS thread of its own (its shared memory is that thread's
+// thread_local storage), but only one of them runs GPU threads at a time: the one whose
+// turn it is. A CTA hands the turn over when none of its threads can run (all wait at
+// cluster.sync() or have finished) or, in the random schedule, at a random switch point. So
+// the interleaving across a cluster is the schedule's, and a seed replays it.
 thread_local char shared_anchor;  // every OS thread's static TLS has the same layout
 
 struct ClusterRun {
-  explicit ClusterRun(unsigned n) : size(n), anchors(n, nullptr) {}
+  ClusterRun(unsigned n, unsigned cta_threads, Rng r)
+      : size(n), threads_per_cta(cta_threads), anchors(n, nullptr), finished(n, 0), rng(r) {
+    switch (schedule().kind) {
+      case ScheduleKind::kReverse:
+        turn = n - 1;
+        break;
+      case ScheduleKind::kRandom:
+        turn = rng.below(n);
+        break;
+      default:
+        turn = 0;
+    }
+  }
   unsigned size;
+  unsigned threads_per_cta;
   std::vector<char*> anchors;  // per rank: &shared_anchor in that CTA's OS thread
+  // Owned by the CTA whose turn it is (handing the turn over orders them).
+  std::vector<char> finished;                    // per rank
+  unsigned idle_turns = 0;                       // turns in a row that found nothing to run
+  unsigned bar_arrived = 0, bar_generation = 0;  // cluster.sync(): every thread of the cluster
+  Rng rng;
+  // Guarded by mutex.
   std::mutex mutex;
   std::condition_variable changed;
-  unsigned arrived = 0;
-  std::uint64_t generation = 0;
+  unsigned turn;
+  unsigned os_arrived = 0;
+  std::uint64_t os_generation = 0;
 
+  // Start and end of the cluster's run (no CTA's storage may go away while another can map it).
   void os_barrier(const char* what) {
     std::unique_lock<std::mutex> lock(mutex);
-    const std::uint64_t gen = generation;
-    if (++arrived == size) {
-      arrived = 0;
-      ++generation;
+    const std::uint64_t gen = os_generation;
+    if (++os_arrived == size) {
+      os_arrived = 0;
+      ++os_generation;
       changed.notify_all();
       return;
     }
-    if (!changed.wait_for(lock, std::chrono::seconds(300), [&] { return generation != gen; })) {
+    if (!changed.wait_for(lock, std::chrono::seconds(300), [&] { return os_generation != gen; })) {
       fatal("%s: a CTA of the cluster never arrived (deadlock)", what);
     }
+  }
+  void wait_for_turn(unsigned rank) {
+    if (size == 1) return;
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return turn == rank; });
+  }
+  void hand_over(unsigned to) {
+    if (size == 1) return;
+    std::lock_guard<std::mutex> lock(mutex);
+    turn = to;
+    changed.notify_all();
+  }
+  // The next unfinished CTA after `rank` in the schedule's order (reverse: downwards); rank
+  // itself when it is the only one left.
+  unsigned next_rank(unsigned rank) const {
+    for (unsigned step = 1; step <= size; ++step) {
+      const unsigned r = schedule().kind == ScheduleKind::kReverse ? (rank + size - step) % size
+                                                                   : (rank + step) % size;
+      if (!finished[r]) return r;
+    }
+    return rank;
   }
 };
 
 // ---- One CTA: its GPU threads as fibers on one OS thread ----------------------------------
+
+enum class Wait : std::uint8_t { kNone, kWarp, kCta, kCluster };
 
 struct Fiber {
   void* sp = nullptr;  // saved stack pointer while switched out
   char* stack = nullptr;
   uint3 tid{0, 0, 0};
   bool done = false;
+  // At a barrier: runnable again once *wait_generation != wait_value.
+  Wait wait = Wait::kNone;
+  const unsigned* wait_generation = nullptr;
+  unsigned wait_value = 0;
   void* fake_stack = nullptr;  // ASan's fake stack of this fiber while switched out
+
+  bool runnable() const { return !done && (wait == Wait::kNone || *wait_generation != wait_value); }
 };
 
 struct Warp {
@@ -211,9 +338,11 @@ struct CtaRun {
   const void* scheduler_stack = nullptr;
   std::size_t scheduler_stack_size = 0;
   unsigned bar_arrived = 0, bar_generation = 0;
-  unsigned cluster_arrived = 0, cluster_generation = 0;
   std::vector<Warp> warps;
-  std::uint64_t progress = 0;  // barrier arrivals and releases, finished threads
+  unsigned finished_threads = 0;
+  unsigned last = 0;  // the fiber resumed last
+  Rng rng;
+  unsigned warp_switch_one_in = 1;  // random schedule: leave the current warp at 1 in n switches
 };
 
 thread_local CtaRun* current_cta = nullptr;
@@ -244,7 +373,7 @@ void yield_to_scheduler() {
 #endif
   (*c.body)();
   c.current->done = true;
-  ++c.progress;
+  ++c.finished_threads;
 #ifdef FUSEDNORM_EMU_ASAN
   __sanitizer_start_switch_fiber(nullptr, c.scheduler_stack, c.scheduler_stack_size);
 #endif
@@ -264,20 +393,121 @@ void* initial_stack(char* stack) {
   return top;
 }
 
+// A switch point where the running thread stays runnable: the random schedule may run
+// another thread first (the others do not switch here).
+void switch_point() {
+  if (random_schedule()) yield_to_scheduler();
+}
+
 // Arrives at a barrier of `expected` threads (counter / generation pair) and waits until all
-// have arrived. The last to arrive runs before_release (if any) before releasing the others.
-void barrier(CtaRun& c, unsigned& arrived, unsigned& generation, unsigned expected,
-             const std::function<void()>& before_release = {}) {
+// have arrived; the last to arrive releases the others.
+void barrier(CtaRun& c, unsigned& arrived, unsigned& generation, unsigned expected, Wait scope) {
   const unsigned gen = generation;
-  ++c.progress;
   if (++arrived == expected) {
     arrived = 0;
-    if (before_release) before_release();
     ++generation;
+    switch_point();
     return;
   }
-  while (generation == gen) yield_to_scheduler();
+  Fiber& f = *c.current;
+  f.wait = scope;
+  f.wait_generation = &generation;
+  f.wait_value = gen;
+  yield_to_scheduler();  // resumed only once released
+  f.wait = Wait::kNone;
 }
+
+// The schedule's choice of the next thread of this CTA to resume, or null when none can run.
+Fiber* pick_in_order(CtaRun& c, bool reverse) {
+  const unsigned n = c.threads;
+  for (unsigned step = 1; step <= n; ++step) {
+    const unsigned i = reverse ? (c.last + n - step) % n : (c.last + step) % n;
+    if (c.fibers[i].runnable()) return &c.fibers[i];
+  }
+  return nullptr;
+}
+
+// The first runnable lane of warp w, scanning from lane `from` (cyclically).
+Fiber* runnable_lane(CtaRun& c, unsigned w, unsigned from) {
+  for (unsigned step = 0; step < 32; ++step) {
+    const unsigned i = w * 32 + (from + step) % 32;
+    if (i < c.threads && c.fibers[i].runnable()) return &c.fibers[i];
+  }
+  return nullptr;
+}
+
+Fiber* pick_warp_greedy(CtaRun& c) {
+  const unsigned warps = static_cast<unsigned>(c.warps.size());
+  const unsigned w = c.last / 32;
+  if (Fiber* f = runnable_lane(c, w, c.last % 32 + 1)) return f;
+  for (unsigned step = 1; step <= warps; ++step) {
+    if (Fiber* f = runnable_lane(c, (w + step) % warps, 0)) return f;
+  }
+  return nullptr;
+}
+
+Fiber* pick_random(CtaRun& c) {
+  const unsigned warps = static_cast<unsigned>(c.warps.size());
+  if (!c.rng.one_in(c.warp_switch_one_in)) {
+    if (Fiber* f = runnable_lane(c, c.last / 32, c.rng.below(32))) return f;
+  }
+  const unsigned w0 = c.rng.below(warps), lane = c.rng.below(32);
+  for (unsigned step = 0; step < warps; ++step) {
+    if (Fiber* f = runnable_lane(c, (w0 + step) % warps, lane)) return f;
+  }
+  return nullptr;
+}
+
+Fiber* pick(CtaRun& c) {
+  switch (schedule().kind) {
+    case ScheduleKind::kForward:
+      return pick_in_order(c, false);
+    case ScheduleKind::kReverse:
+      return pick_in_order(c, true);
+    case ScheduleKind::kWarpGreedy:
+      return pick_warp_greedy(c);
+    case ScheduleKind::kRandom:
+      return pick_random(c);
+  }
+  return nullptr;
+}
+
+void resume(CtaRun& c, Fiber& f) {
+  c.current = &f;
+  c.last = static_cast<unsigned>(&f - c.fibers.data());
+  threadIdx = f.tid;
+#ifdef FUSEDNORM_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f.stack, kFiberStackBytes);
+#endif
+  fusednorm_emu_switch(&c.scheduler_sp, f.sp);
+#ifdef FUSEDNORM_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+}
+
+[[noreturn]] void report_deadlock(const CtaRun& c) {
+  unsigned at[4] = {0, 0, 0, 0};
+  for (const Fiber& f : c.fibers) {
+    if (!f.done) ++at[static_cast<int>(f.wait)];
+  }
+  fatal(
+      "deadlock in CTA (%u, %u, %u): of %u threads, %u wait at __syncthreads(), %u at a shuffle "
+      "and %u at "
+      "cluster.sync() that the others never reach (%u finished)",
+      c.bid.x, c.bid.y, c.bid.z, c.threads, at[static_cast<int>(Wait::kCta)],
+      at[static_cast<int>(Wait::kWarp)], at[static_cast<int>(Wait::kCluster)], c.finished_threads);
+}
+
+// Hands the cluster's turn to the next CTA and waits until it comes back.
+void take_turns(CtaRun& c, unsigned to) {
+  ClusterRun& k = *c.cluster;
+  if (to == c.rank) return;
+  k.hand_over(to);
+  k.wait_for_turn(c.rank);
+}
+
+constexpr unsigned kClusterSwitchOneIn = 256;  // random schedule: another CTA runs next
 
 void run_cta(CtaRun& c) {
   current_cta = &c;
@@ -297,31 +527,36 @@ void run_cta(CtaRun& c) {
     f.stack = stacks + t * kFiberStackBytes;
     f.sp = initial_stack(f.stack);
   }
+  // The first resumed thread: 0 (reverse: the last); random: a random one.
+  c.last = schedule().kind == ScheduleKind::kReverse ? 0 : c.threads - 1;
+  if (random_schedule()) {
+    static constexpr unsigned kStickiness[] = {1, 4, 64};
+    c.warp_switch_one_in = kStickiness[c.rng.below(3)];
+    c.last = c.rng.below(c.threads);
+  }
+  ClusterRun& k = *c.cluster;
+  k.wait_for_turn(c.rank);
   for (;;) {
-    bool alive = false;
-    const std::uint64_t before = c.progress;
-    for (unsigned i = 0; i < c.threads; ++i) {
-      Fiber& f = c.fibers[reverse_schedule() ? c.threads - 1 - i : i];
-      if (f.done) continue;
-      alive = true;
-      c.current = &f;
-      threadIdx = f.tid;
-#ifdef FUSEDNORM_EMU_ASAN
-      void* fake = nullptr;
-      __sanitizer_start_switch_fiber(&fake, f.stack, kFiberStackBytes);
-#endif
-      fusednorm_emu_switch(&c.scheduler_sp, f.sp);
-#ifdef FUSEDNORM_EMU_ASAN
-      __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#endif
+    Fiber* f = pick(c);
+    if (f == nullptr) {
+      if (c.finished_threads == c.threads) {
+        k.finished[c.rank] = 1;
+        k.idle_turns = 0;
+        const unsigned to = k.next_rank(c.rank);
+        if (to != c.rank) k.hand_over(to);
+        break;
+      }
+      // All wait at barriers: other CTAs of the cluster must run (cluster.sync()), unless
+      // every CTA has found nothing to run since the last progress.
+      if (++k.idle_turns > k.size) report_deadlock(c);
+      take_turns(c, k.next_rank(c.rank));
+      continue;
     }
-    if (!alive) break;
-    if (c.progress == before) {
-      unsigned waiting = 0;
-      for (const Fiber& f : c.fibers) waiting += f.done ? 0 : 1;
-      fatal("deadlock in CTA (%u, %u, %u): %u of %u threads wait at a barrier (or shuffle) that the others "
-            "never reach",
-            c.bid.x, c.bid.y, c.bid.z, waiting, c.threads);
+    k.idle_turns = 0;
+    resume(c, *f);
+    if (random_schedule() && k.size > 1 && k.rng.one_in(kClusterSwitchOneIn)) {
+      const unsigned to = k.rng.below(k.size);
+      take_turns(c, k.finished[to] ? k.next_rank(to) : to);
     }
   }
   c.current = nullptr;
@@ -344,18 +579,20 @@ void run_cta_with_smem(CtaRun& c, std::size_t smem) {
     ASAN_POISON_MEMORY_REGION(a.address() + smem, a.capacity - smem);
 #endif
   }
-  if (c.cluster != nullptr) c.cluster->anchors[c.rank] = &shared_anchor;
-  if (c.cluster != nullptr) c.cluster->os_barrier("cluster start");
+  ClusterRun& k = *c.cluster;
+  k.anchors[c.rank] = &shared_anchor;
+  if (k.size > 1) k.os_barrier("cluster start");
   run_cta(c);
   // No CTA's storage may go away while another of its cluster can still map it.
-  if (c.cluster != nullptr) c.cluster->os_barrier("cluster end");
+  if (k.size > 1) k.os_barrier("cluster end");
   for (const DynamicSmemArray& a : arrays) {
 #ifdef FUSEDNORM_EMU_ASAN
     ASAN_UNPOISON_MEMORY_REGION(a.address() + smem, a.capacity - smem);
 #endif
     const std::size_t canary = std::min(kCanaryBytes, a.capacity - smem);
+    const char* const past = a.address() + smem;  // a TLS look-up: once, not per byte
     for (std::size_t i = 0; i < canary; ++i) {
-      if (static_cast<unsigned char>(a.address()[smem + i]) != kSmemCanary) {
+      if (static_cast<unsigned char>(past[i]) != kSmemCanary) {
         fatal("CTA (%u, %u, %u) wrote shared memory at byte %zu, past the launch's %zu bytes", c.bid.x, c.bid.y,
               c.bid.z, smem + i, smem);
       }
@@ -372,6 +609,10 @@ int capturing_streams = 0;
 void execute(const cudaLaunchConfig_t& config, unsigned cluster_size, const std::function<void()>& body) {
   const dim3 grid = config.gridDim;
   const unsigned threads = config.blockDim.x * config.blockDim.y * config.blockDim.z;
+  const std::uint64_t launch_number = launch_count++;
+  if (launch_number == 0 && schedule().kind != ScheduleKind::kForward) {
+    std::fprintf(stderr, "cuda_emu: schedule FUSEDNORM_EMU_SCHEDULE=%s\n", schedule().name.c_str());
+  }
   auto make = [&](unsigned x, unsigned y, unsigned z) {
     CtaRun c;
     c.grid = grid;
@@ -379,17 +620,21 @@ void execute(const cudaLaunchConfig_t& config, unsigned cluster_size, const std:
     c.bid = {x, y, z};
     c.threads = threads;
     c.body = &body;
+    c.rng = rng_for(launch_number, (std::uint64_t{z} * grid.y + y) * grid.x + x);
     return c;
   };
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x0 = 0; x0 < grid.x; x0 += cluster_size) {
+        ClusterRun cluster(
+            cluster_size, threads,
+            rng_for(launch_number, ~((std::uint64_t{z} * grid.y + y) * grid.x + x0)));
         if (cluster_size == 1) {
           CtaRun c = make(x0, y, z);
+          c.cluster = &cluster;
           run_cta_with_smem(c, config.dynamicSmemBytes);
           continue;
         }
-        ClusterRun cluster(cluster_size);
         std::vector<std::thread> workers;
         for (unsigned r = 0; r < cluster_size; ++r) {
           workers.emplace_back([&, r] {
@@ -411,7 +656,7 @@ void execute(const cudaLaunchConfig_t& config, unsigned cluster_size, const std:
 
 void syncthreads() {
   CtaRun& c = cta();
-  barrier(c, c.bar_arrived, c.bar_generation, c.threads);
+  barrier(c, c.bar_arrived, c.bar_generation, c.threads, Wait::kCta);
 }
 
 float shfl_xor(unsigned mask, float value, int lane_mask) {
@@ -426,10 +671,19 @@ float shfl_xor(unsigned mask, float value, int lane_mask) {
   }
   Warp& w = c.warps[warp];
   w.values[lane] = value;
-  barrier(c, w.arrived, w.generation, 32);
+  barrier(c, w.arrived, w.generation, 32, Wait::kWarp);
   const float result = w.values[lane ^ static_cast<unsigned>(lane_mask)];
-  barrier(c, w.arrived, w.generation, 32);  // nobody overwrites values before all have read
+  barrier(c, w.arrived, w.generation, 32,
+          Wait::kWarp);  // nobody overwrites values before all have read
   return result;
+}
+
+float atomic_add(float* address, float value) {
+  cta();
+  switch_point();  // the order of a CTA's atomics is the schedule's
+  const float old = *address;
+  *address = old + value;
+  return old;
 }
 
 void trap() {
@@ -438,26 +692,28 @@ void trap() {
         c.current->tid.y, c.current->tid.z);
 }
 
-unsigned cluster_num_blocks() { return cta().cluster != nullptr ? cta().cluster->size : 1; }
+unsigned cluster_num_blocks() { return cta().cluster->size; }
 unsigned cluster_block_rank() { return cta().rank; }
 
 void cluster_sync() {
   CtaRun& c = cta();
-  // The last of this CTA's threads waits (holding its OS thread) for the other CTAs.
-  barrier(c, c.cluster_arrived, c.cluster_generation, c.threads, [&c] {
-    if (c.cluster != nullptr) c.cluster->os_barrier("cluster.sync()");
-  });
+  ClusterRun& k = *c.cluster;
+  barrier(c, k.bar_arrived, k.bar_generation, k.threads_per_cta * k.size, Wait::kCluster);
 }
 
 void* map_shared_rank(void* address, unsigned rank) {
   CtaRun& c = cta();
-  if (c.cluster == nullptr) {
-    if (rank != 0) fatal("map_shared_rank(rank %u) outside a cluster", rank);
-    return address;
+  const ClusterRun& k = *c.cluster;
+  if (rank >= k.size) fatal("map_shared_rank(rank %u) in a cluster of %u", rank, k.size);
+  // On hardware an exited CTA's shared memory is gone (a cluster.sync() must keep it alive).
+  if (k.finished[rank]) {
+    fatal("CTA (%u, %u, %u) maps the shared memory of cluster rank %u, which has exited", c.bid.x,
+          c.bid.y, c.bid.z, rank);
   }
-  if (rank >= c.cluster->size) fatal("map_shared_rank(rank %u) in a cluster of %u", rank, c.cluster->size);
-  return static_cast<char*>(address) - c.cluster->anchors[c.rank] + c.cluster->anchors[rank];
+  return static_cast<char*>(address) - k.anchors[c.rank] + k.anchors[rank];
 }
+
+const char* schedule_name() { return schedule().name.c_str(); }
 
 cudaError_t set_max_dynamic_smem(const void* kernel, int bytes) {
   if (bytes < 0 || bytes > kSmemPerCtaOptin) return fail(cudaErrorInvalidValue);

@@ -2,21 +2,25 @@
 // backend and its tests use, so that the real kernel sources (src/cuda/*.cu, *.cuh) run
 // as plain C++ on machines without a GPU: every GPU thread is a fiber, a CTA is a set of
 // fibers scheduled cooperatively on one OS thread (barriers and warp shuffles are the
-// switch points), the CTAs of a thread-block cluster run on OS threads of their own, and
-// shared memory is thread_local storage of that OS thread. Device memory is host memory.
+// switch points), the CTAs of a thread-block cluster run on OS threads of their own and
+// take turns, and shared memory is thread_local storage of that OS thread. Device memory is host
+// memory.
 //
 // What it checks: indexing and coverage (a row element left unwritten or written twice
 // shows as a wrong result; cudaMalloc'd memory and shared memory start as 0xff bytes, so
-// reading what nothing wrote gives NaN), barrier discipline (a barrier some threads never reach is a
-// reported deadlock, not a hang), full-warp shuffles, launch limits (threads, dynamic
-// shared memory with and without the opt-in, cluster size and grid divisibility), writes
-// past the launch's dynamic shared memory, and, in sanitizer builds, out-of-bounds device
-// memory accesses (ASan sees cudaMalloc'd buffers as heap blocks).
-// What it cannot check: timing, memory-model subtleties of real hardware, nvcc's code
-// generation. Fibers run one at a time, so a missing barrier between one thread's write and
-// another's read goes unseen when the writer happens to run first: ctest runs the suite in
-// both schedule orders (FUSEDNORM_EMU_SCHEDULE=reverse) to see both cases. It is not a substitute for the
-// GPU run (bench/gpu/run.sh); it makes that run start from kernels whose logic has run.
+// reading what nothing wrote gives NaN), barrier discipline (a barrier some threads never reach is
+// a reported deadlock, not a hang), full-warp shuffles, launch limits (threads, dynamic shared
+// memory with and without the opt-in, cluster size and grid divisibility), writes past the launch's
+// dynamic shared memory, and, in sanitizer builds, out-of-bounds device memory accesses (ASan sees
+// cudaMalloc'd buffers as heap blocks). What it cannot check: timing, memory-model subtleties of
+// real hardware, nvcc's code generation. Fibers run one at a time and switch only at barriers,
+// shuffles and atomics, so a missing barrier between one thread's write and another's read is seen
+// only when the schedule runs the reader first: FUSEDNORM_EMU_SCHEDULE picks the order (forward,
+// reverse, warp-greedy, random:SEED; see emu_runtime.cpp), and ctest runs the suite under
+// several. Code between two switch points runs as one step of one thread, so a race
+// between two accesses with no switch point between them (e.g. within a warp, without a
+// __syncwarp) is not seen. It is not a substitute for the GPU run (bench/gpu/run.sh); it
+// makes that run start from kernels whose logic has run.
 #pragma once
 
 #include <math.h>  // sqrtf in the global namespace, as in device code
@@ -86,13 +90,17 @@ extern thread_local dim3 gridDim;
 namespace cuda_emu {
 void syncthreads();
 float shfl_xor(unsigned mask, float value, int lane_mask);
+float atomic_add(float* address, float value);
 [[noreturn]] void trap();
+// FUSEDNORM_EMU_SCHEDULE's value ("forward" when unset), for messages about a failure.
+const char* schedule_name();
 }  // namespace cuda_emu
 
 inline void __syncthreads() { cuda_emu::syncthreads(); }
 inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   return cuda_emu::shfl_xor(mask, value, lane_mask);
 }
+inline float atomicAdd(float* address, float value) { return cuda_emu::atomic_add(address, value); }
 [[noreturn]] inline void __trap() { cuda_emu::trap(); }
 
 // ---- Runtime API -----------------------------------------------------------------------

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Static checks of the machine code (SASS) of every CUDA kernel in a build.
+
+    check_sass.py --cuobjdump PATH --planner src/cuda/launch_plan.h BINARY...
+
+BINARY: objects, libraries or executables with CUDA code (e.g. libfusednorm.a). For every
+kernel of every architecture compiled in, it asserts:
+  - no local memory: no LDL / STL instructions and no stack frame (register spills);
+  - 128-bit global loads and stores (LDG.E.128 / STG.E.128) in the register-row and staged
+    kernels of full 16-byte vectors, for each dtype (and that such kernels were found, so
+    the check cannot pass on an empty build);
+  - registers per thread within what the launch planner's CTAs of that kernel allow
+    (kRegistersPerSm / the most threads per CTA it launches the family with, launch_plan.h).
+A failure names the kernel (demangled) and the architecture. cuobjdump and nvdisasm come
+from PyPI (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm); scripts/setup_sass_tools.sh
+installs them.
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+
+# Kernel family (by template name) -> the launch_plan.h constant for the most threads per CTA
+# the planner launches it with; with kRegistersPerSm, that bounds its registers per thread.
+FAMILIES = {
+    "norm_forward_register_kernel": "kMaxThreadsPerCta",
+    "norm_forward_row_kernel": "kMaxThreadsPerCta",
+    "norm_backward_register_kernel": "kMaxThreadsPerCta",
+    "norm_backward_row_kernel": "kMaxThreadsPerCta",
+    "norm_backward_coef_kernel": "kTwoPassThreads",
+    "norm_backward_tile_kernel": "kTileThreads",
+    "finish_column_sums_kernel": "kFinishThreads",
+}
+MAX_REGISTERS = 255  # per thread, by the instruction set
+# Families whose full-vector instantiations must move 16 bytes per global access.
+VECTORIZED = ["norm_forward_register_kernel", "norm_forward_row_kernel", "norm_backward_register_kernel",
+              "norm_backward_row_kernel"]
+ELEM_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
+ROW_STORAGE = {"0": "kSmem", "1": "kCluster", "2": "kGlobal"}
+
+
+def run(cmd):
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        sys.exit(f"check_sass: {' '.join(cmd)} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def planner_budgets(header):
+    """Family -> (registers per thread the planner's launches allow, why)."""
+    text = open(header).read()
+
+    def constant(name):
+        m = re.search(r"constexpr\s+int\s+" + name + r"\s*=\s*(\d+)\s*;", text)
+        if m is None:
+            sys.exit(f"check_sass: {header} defines no {name}")
+        return int(m.group(1))
+
+    per_sm = constant("kRegistersPerSm")
+    budgets = {}
+    for family, threads_name in FAMILIES.items():
+        threads = constant(threads_name)
+        budgets[family] = (min(MAX_REGISTERS, per_sm // threads),
+                           f"kRegistersPerSm / {threads_name} = {per_sm} / {threads}")
+    return budgets
+
+
+def split_template_args(args):
+    out, depth, cur = [], 0, ""
+    for ch in args:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+class Kernel:
+    def __init__(self, arch, mangled, demangled):
+        self.arch, self.mangled, self.demangled = arch, mangled, demangled
+        self.family, self.args = None, []
+        m = re.search(r"fusednorm::cuda::(?:\(anonymous namespace\)::)?(\w+)(?:<(.*)>)?\(", demangled)
+        if m:
+            self.family = m.group(1)
+            self.args = split_template_args(m.group(2)) if m.group(2) else []
+        self.regs = self.stack = self.local = None
+        self.instructions = []
+
+    @property
+    def dtype(self):
+        return self.args[0] if self.args else None
+
+    def full_vector(self):
+        return self.dtype in ELEM_BYTES and len(self.args) > 1 and self.args[1] == str(16 // ELEM_BYTES[self.dtype])
+
+    def storage(self):
+        for a in self.args:
+            m = re.fullmatch(r"\(fusednorm::cuda::RowStorage\)(\d)", a)
+            if m:
+                return ROW_STORAGE[m.group(1)]
+        return None
+
+    def name(self):
+        return f"{self.demangled} [{self.arch}]"
+
+
+def demangle(names):
+    if not names:
+        return {}
+    out = subprocess.run(["c++filt"], input="\n".join(names), stdout=subprocess.PIPE, text=True, check=True).stdout
+    return dict(zip(names, out.splitlines()))
+
+
+def collect(cuobjdump, binary):
+    kernels = {}  # (arch, mangled) -> Kernel
+    res = run([cuobjdump, "-res-usage", binary])
+    sass = run([cuobjdump, "-sass", binary])
+    names = set(re.findall(r"Function (\S+?):?\s*$", res, re.M)) | set(re.findall(r"Function : (\S+)", sass))
+    pretty = demangle(sorted(names))
+
+    def kernel(arch, mangled):
+        key = (arch, mangled)
+        if key not in kernels:
+            kernels[key] = Kernel(arch, mangled, pretty.get(mangled, mangled))
+        return kernels[key]
+
+    arch, current = None, None
+    for line in res.splitlines():
+        m = re.match(r"\s*arch = (sm_\d+\w*)", line)
+        if m:
+            arch = m.group(1)
+            continue
+        m = re.match(r"\s*Function (\S+):\s*$", line)
+        if m:
+            current = kernel(arch, m.group(1))
+            continue
+        m = re.match(r"\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", line)
+        if m and current is not None:
+            current.regs, current.stack, current.local = (int(g) for g in m.groups())
+            current = None
+    arch, current = None, None
+    for line in sass.splitlines():
+        m = re.match(r"\s*arch = (sm_\d+\w*)", line)
+        if m:
+            arch = m.group(1)
+            continue
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            current = kernel(arch, m.group(1))
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and current is not None:
+            current.instructions.append(m.group(1))
+    return list(kernels.values())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cuobjdump", required=True)
+    parser.add_argument("--planner", required=True, help="src/cuda/launch_plan.h")
+    parser.add_argument("binaries", nargs="+")
+    args = parser.parse_args()
+    for tool in (args.cuobjdump, os.path.join(os.path.dirname(args.cuobjdump), "nvdisasm")):
+        if not os.access(tool, os.X_OK):
+            sys.exit(f"check_sass: {tool} not found; scripts/setup_sass_tools.sh installs it from PyPI")
+    budgets = planner_budgets(args.planner)
+    kernels = []
+    for binary in args.binaries:
+        kernels += collect(args.cuobjdump, binary)
+
+    failures = []
+    found_vectorized = collections.defaultdict(set)  # arch -> {(family, dtype)}
+    most_regs = collections.defaultdict(int)  # (arch, family) -> max REG
+    for k in kernels:
+        if k.regs is None:
+            failures.append(f"{k.name()}: no resource usage from cuobjdump -res-usage")
+            continue
+        if k.family not in FAMILIES:
+            failures.append(f"{k.name()}: a kernel of no known family (add it to FAMILIES in {__file__})")
+            continue
+        if not k.instructions:
+            failures.append(f"{k.name()}: no SASS from cuobjdump -sass")
+        most_regs[(k.arch, k.family)] = max(most_regs[(k.arch, k.family)], k.regs)
+        spills = [i for i in k.instructions if i.startswith(("LDL", "STL"))]
+        if spills or k.stack or k.local:
+            failures.append(f"{k.name()}: local memory (register spills?): {len(spills)} LDL/STL, "
+                            f"STACK:{k.stack} LOCAL:{k.local}")
+        budget, why = budgets[k.family]
+        if k.regs > budget:
+            failures.append(f"{k.name()}: {k.regs} registers per thread; the planner's CTAs of this kernel "
+                            f"launch only at <= {budget} ({why}, {args.planner})")
+        # Cluster kernels compile to a __trap() below sm_90, where the planner never launches them.
+        cluster_stub = k.storage() == "kCluster" and int(re.sub(r"\D", "", k.arch)[:2]) < 90
+        if k.family in VECTORIZED and k.full_vector() and k.storage() != "kGlobal" and not cluster_stub:
+            found_vectorized[k.arch].add((k.family, k.dtype))
+            for op in ("LDG", "STG"):
+                if not any(re.fullmatch(op + r"(\.\w+)*\.128(\.\w+)*", i) for i in k.instructions):
+                    failures.append(f"{k.name()}: no 128-bit {op} ({op}.E.128): its 16-byte vectors are split")
+    archs = sorted({k.arch for k in kernels})
+    if not archs:
+        failures.append("no CUDA kernels found in " + " ".join(args.binaries))
+    for arch in archs:
+        for family in VECTORIZED:
+            for dtype in ELEM_BYTES:
+                if (family, dtype) not in found_vectorized[arch]:
+                    failures.append(f"{family}<{dtype}, full vector> [{arch}]: not found, so not checked")
+
+    print(f"check_sass: {len(kernels)} kernels in {', '.join(archs)}; most registers per thread by family:")
+    for (arch, family), regs in sorted(most_regs.items()):
+        print(f"  {arch} {family:32s} {regs:4d} (launches at <= {budgets[family][0]})")
+    for f in failures:
+        print("FAIL: " + f)
+    print(f"check_sass: {len(kernels)} kernels checked, {len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
