@@ -41,14 +41,14 @@ rms_norm_op() {
   return op;
 }
 
-c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, double, double, bool)>
-rms_norm_backward_op() {
+using RmsNormBackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                              const OptTensor&, const OptTensor&,
+                                                              double, double, bool,
+                                                              const OptTensor&);
+c10::TypedOperatorHandle<RmsNormBackwardSig> rms_norm_backward_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fusednorm::rms_norm_backward", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(
-                                 const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                 const OptTensor&, double, double, bool)>();
+                             .typed<RmsNormBackwardSig>();
   return op;
 }
 
@@ -120,7 +120,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const bool want_dw = weight.has_value() && ctx->needs_input_grad(1);
     auto [dx, dw] = rms_norm_backward_op().call(
         as_dtype_of(grads[0], x), x, weight, saved[2], ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["weight_offset"].toDouble(), want_dw);
+        ctx->saved_data["weight_offset"].toDouble(), want_dw, /*dx_addend=*/std::nullopt);
     return {want_dx ? dx : at::Tensor(), want_dw ? dw : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -137,7 +137,8 @@ void rms_norm_fwd_out(const Context& ctx, const at::Tensor& x, const OptTensor& 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const Context& ctx, const at::Tensor& dy,
                                                      const at::Tensor& x, const OptTensor& weight,
                                                      const OptTensor& rstd, double eps,
-                                                     double weight_offset, bool compute_dw) {
+                                                     double weight_offset, bool compute_dw,
+                                                     const OptTensor& dx_addend) {
   const char* op = "rms_norm_backward";
   const RowView xv = input_rows(op, "x", x);
   const RowView dyv = matching_rows(op, "dy", dy, x);
@@ -148,12 +149,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const Context& ctx, const a
   const Matrix dxv = new_rows(x, xv.dtype, dx);
   at::Tensor dw = (w.data != nullptr && compute_dw) ? at::empty({x.size(-1)}, weight->options())
                                                     : absent_grad(x);
+  const std::optional<RowView> addend = optional_rows(op, "dx_addend", dx_addend, x);
   Workspace workspace;
   at::Tensor workspace_keep = workspace_for(ctx, x, xv.rows, xv.cols, workspace);
   call_core([&] {
     fusednorm::rms_norm_backward(ctx, dyv.const_matrix(), xv.const_matrix(), w, rstd_data, dxv,
                                  vector_view(dw), {as_float(eps), as_float(weight_offset)},
-                                 workspace);
+                                 workspace, addend ? addend->const_matrix() : ConstMatrix{});
   });
   return {dx, dw};
 }
@@ -166,6 +168,123 @@ at::Tensor fused_add_rms_norm(const Context& ctx, const at::Tensor& x, at::Tenso
   run_fused_add_rms_norm("fused_add_rms_norm", ctx, x, xv, residual, weight, yv, eps,
                          weight_offset);
   return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_fwd(
+    const Context& ctx, const at::Tensor& x, const at::Tensor& residual, const OptTensor& weight,
+    double eps, double weight_offset) {
+  const char* op = "fused_add_rms_norm_fwd";
+  const RowView xv = input_rows(op, "x", x);
+  check_matching(op, "residual", residual, x);
+  check_same_dtype(op, "residual", residual, x);
+  at::Tensor w_keep;
+  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
+  // The core adds in place; the functional form adds into a fresh copy of residual, so no
+  // input is mutated (one extra read and write of residual, measured in bench_distributed).
+  at::Tensor residual_out;
+  const Matrix rv = new_rows(x, xv.dtype, residual_out);
+  residual_out.copy_(residual);
+  at::Tensor y;
+  const Matrix yv = new_rows(x, xv.dtype, y);
+  at::Tensor rstd = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
+  call_core([&] {
+    fusednorm::fused_add_rms_norm(ctx, xv.const_matrix(), rv, w, yv, rstd.data_ptr<float>(),
+                                  {as_float(eps), as_float(weight_offset)});
+  });
+  return {y, residual_out, rstd};
+}
+
+at::Tensor rms_norm_partial_sum_squares(const Context& ctx, const at::Tensor& x) {
+  const char* op = "rms_norm_partial_sum_squares";
+  const RowView xv = input_rows(op, "x", x);
+  at::Tensor sums = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
+  call_core([&] {
+    fusednorm::rms_norm_partial_sum_squares(ctx, xv.const_matrix(), sums.data_ptr<float>());
+  });
+  return sums;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_partial_sum_squares(const Context& ctx,
+                                                                 const at::Tensor& x,
+                                                                 const at::Tensor& residual) {
+  const char* op = "fused_add_partial_sum_squares";
+  const RowView xv = input_rows(op, "x", x);
+  check_matching(op, "residual", residual, x);
+  check_same_dtype(op, "residual", residual, x);
+  at::Tensor residual_out;
+  const Matrix rv = new_rows(x, xv.dtype, residual_out);
+  residual_out.copy_(residual);
+  at::Tensor sums = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
+  call_core([&] {
+    fusednorm::fused_add_partial_sum_squares(ctx, xv.const_matrix(), rv, sums.data_ptr<float>());
+  });
+  return {residual_out, sums};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_from_sum_squares(
+    const Context& ctx, const at::Tensor& x, const OptTensor& weight, const at::Tensor& sum_squares,
+    std::int64_t full_cols, double eps, double weight_offset) {
+  const char* op = "rms_norm_from_sum_squares";
+  const RowView xv = input_rows(op, "x", x);
+  at::Tensor w_keep, sums_keep;
+  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
+  const float* sums = required_row_stats(op, "sum_squares", sum_squares, x, xv.rows, sums_keep);
+  at::Tensor y;
+  const Matrix yv = new_rows(x, xv.dtype, y);
+  at::Tensor rstd = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
+  call_core([&] {
+    fusednorm::rms_norm_from_sum_squares(ctx, xv.const_matrix(), w, yv, sums, full_cols,
+                                         rstd.data_ptr<float>(),
+                                         {as_float(eps), as_float(weight_offset)});
+  });
+  return {y, rstd};
+}
+
+at::Tensor rms_norm_backward_partial_sums(const Context& ctx, const at::Tensor& dy,
+                                          const at::Tensor& x, const OptTensor& weight,
+                                          const at::Tensor& rstd, double weight_offset) {
+  const char* op = "rms_norm_backward_partial_sums";
+  const RowView xv = input_rows(op, "x", x);
+  const RowView dyv = matching_rows(op, "dy", dy, x);
+  at::Tensor w_keep, rstd_keep;
+  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
+  const float* rstd_data = required_row_stats(op, "rstd", rstd, x, xv.rows, rstd_keep);
+  at::Tensor sums = at::empty(row_stats_shape(x), x.options().dtype(at::kFloat));
+  RmsNormOptions options;
+  options.weight_offset = as_float(weight_offset);
+  call_core([&] {
+    fusednorm::rms_norm_backward_partial_sums(ctx, dyv.const_matrix(), xv.const_matrix(), w,
+                                              rstd_data, sums.data_ptr<float>(), options);
+  });
+  return sums;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_from_sums(
+    const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+    const at::Tensor& rstd, const at::Tensor& sum_g_xhat, std::int64_t full_cols,
+    double weight_offset, bool compute_dw, const OptTensor& dx_addend) {
+  const char* op = "rms_norm_backward_from_sums";
+  const RowView xv = input_rows(op, "x", x);
+  const RowView dyv = matching_rows(op, "dy", dy, x);
+  at::Tensor w_keep, rstd_keep, sums_keep;
+  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
+  const float* rstd_data = required_row_stats(op, "rstd", rstd, x, xv.rows, rstd_keep);
+  const float* sums = required_row_stats(op, "sum_g_xhat", sum_g_xhat, x, xv.rows, sums_keep);
+  const std::optional<RowView> addend = optional_rows(op, "dx_addend", dx_addend, x);
+  at::Tensor dx;
+  const Matrix dxv = new_rows(x, xv.dtype, dx);
+  at::Tensor dw = (w.data != nullptr && compute_dw) ? at::empty({x.size(-1)}, weight->options())
+                                                    : absent_grad(x);
+  Workspace workspace;
+  at::Tensor workspace_keep = workspace_for(ctx, x, xv.rows, xv.cols, workspace);
+  RmsNormOptions options;
+  options.weight_offset = as_float(weight_offset);
+  call_core([&] {
+    fusednorm::rms_norm_backward_from_sums(
+        ctx, dyv.const_matrix(), xv.const_matrix(), w, rstd_data, sums, full_cols, dxv,
+        vector_view(dw), options, workspace, addend ? addend->const_matrix() : ConstMatrix{});
+  });
+  return {dx, dw};
 }
 
 void fused_add_rms_norm_out(const Context& ctx, const at::Tensor& x, at::Tensor& residual,
@@ -295,11 +414,34 @@ TORCH_LIBRARY(fusednorm, m) {
       tags);
   m.def(
       "rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? rstd, float eps=1e-06, "
-      "float weight_offset=0., bool compute_dw=True) -> (Tensor dx, Tensor dw)",
+      "float weight_offset=0., bool compute_dw=True, Tensor? dx_addend=None) "
+      "-> (Tensor dx, Tensor dw)",
       tags);
   m.def(
       "fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor? weight, float eps=1e-06, "
       "float weight_offset=0.) -> Tensor",
+      tags);
+  m.def(
+      "fused_add_rms_norm_fwd(Tensor x, Tensor residual, Tensor? weight, float eps=1e-06, "
+      "float weight_offset=0.) -> (Tensor y, Tensor residual_out, Tensor rstd)",
+      tags);
+  m.def("rms_norm_partial_sum_squares(Tensor x) -> Tensor", tags);
+  m.def(
+      "fused_add_partial_sum_squares(Tensor x, Tensor residual) "
+      "-> (Tensor residual_out, Tensor sum_squares)",
+      tags);
+  m.def(
+      "rms_norm_from_sum_squares(Tensor x, Tensor? weight, Tensor sum_squares, int full_cols, "
+      "float eps=1e-06, float weight_offset=0.) -> (Tensor y, Tensor rstd)",
+      tags);
+  m.def(
+      "rms_norm_backward_partial_sums(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, "
+      "float weight_offset=0.) -> Tensor",
+      tags);
+  m.def(
+      "rms_norm_backward_from_sums(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, "
+      "Tensor sum_g_xhat, int full_cols, float weight_offset=0., bool compute_dw=True, "
+      "Tensor? dx_addend=None) -> (Tensor dx, Tensor dw)",
       tags);
   m.def(
       "rms_norm.out(Tensor x, Tensor? weight, float eps=1e-06, float weight_offset=0., *, "

@@ -27,9 +27,30 @@ void rms_norm_fwd_out(const Context& ctx, const at::Tensor& x, const OptTensor& 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const Context& ctx, const at::Tensor& dy,
                                                      const at::Tensor& x, const OptTensor& weight,
                                                      const OptTensor& rstd, double eps,
-                                                     double weight_offset, bool compute_dw);
+                                                     double weight_offset, bool compute_dw,
+                                                     const OptTensor& dx_addend);
 at::Tensor fused_add_rms_norm(const Context& ctx, const at::Tensor& x, at::Tensor& residual,
                               const OptTensor& weight, double eps, double weight_offset);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_fwd(
+    const Context& ctx, const at::Tensor& x, const at::Tensor& residual, const OptTensor& weight,
+    double eps, double weight_offset);
+
+// Two phases of RMSNorm over a row split by columns (tensor parallel): per-row fp32 partial
+// sums of this slice, reduced by the caller, then the normalization / backward given them.
+at::Tensor rms_norm_partial_sum_squares(const Context& ctx, const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> fused_add_partial_sum_squares(const Context& ctx,
+                                                                 const at::Tensor& x,
+                                                                 const at::Tensor& residual);
+std::tuple<at::Tensor, at::Tensor> rms_norm_from_sum_squares(
+    const Context& ctx, const at::Tensor& x, const OptTensor& weight, const at::Tensor& sum_squares,
+    std::int64_t full_cols, double eps, double weight_offset);
+at::Tensor rms_norm_backward_partial_sums(const Context& ctx, const at::Tensor& dy,
+                                          const at::Tensor& x, const OptTensor& weight,
+                                          const at::Tensor& rstd, double weight_offset);
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_from_sums(
+    const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+    const at::Tensor& rstd, const at::Tensor& sum_g_xhat, std::int64_t full_cols,
+    double weight_offset, bool compute_dw, const OptTensor& dx_addend);
 void fused_add_rms_norm_out(const Context& ctx, const at::Tensor& x, at::Tensor& residual,
                             const OptTensor& weight, double eps, double weight_offset,
                             at::Tensor& out);
@@ -72,17 +93,52 @@ void register_kernels(torch::Library& m) {
     DeviceScope scope(x);
     rms_norm_fwd_out(scope.ctx, x, weight, eps, weight_offset, y, rstd);
   });
-  m.impl("rms_norm_backward",
-         [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
-            const OptTensor& rstd, double eps, double weight_offset, bool compute_dw) {
-           DeviceScope scope(x);
-           return rms_norm_backward(scope.ctx, dy, x, weight, rstd, eps, weight_offset, compute_dw);
-         });
+  m.impl("rms_norm_backward", [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+                                 const OptTensor& rstd, double eps, double weight_offset,
+                                 bool compute_dw, const OptTensor& dx_addend) {
+    DeviceScope scope(x);
+    return rms_norm_backward(scope.ctx, dy, x, weight, rstd, eps, weight_offset, compute_dw,
+                             dx_addend);
+  });
   m.impl("fused_add_rms_norm", [](const at::Tensor& x, at::Tensor& residual,
                                   const OptTensor& weight, double eps, double weight_offset) {
     DeviceScope scope(x);
     return fused_add_rms_norm(scope.ctx, x, residual, weight, eps, weight_offset);
   });
+  m.impl("fused_add_rms_norm_fwd", [](const at::Tensor& x, const at::Tensor& residual,
+                                      const OptTensor& weight, double eps, double weight_offset) {
+    DeviceScope scope(x);
+    return fused_add_rms_norm_fwd(scope.ctx, x, residual, weight, eps, weight_offset);
+  });
+  m.impl("rms_norm_partial_sum_squares", [](const at::Tensor& x) {
+    DeviceScope scope(x);
+    return rms_norm_partial_sum_squares(scope.ctx, x);
+  });
+  m.impl("fused_add_partial_sum_squares", [](const at::Tensor& x, const at::Tensor& residual) {
+    DeviceScope scope(x);
+    return fused_add_partial_sum_squares(scope.ctx, x, residual);
+  });
+  m.impl("rms_norm_from_sum_squares",
+         [](const at::Tensor& x, const OptTensor& weight, const at::Tensor& sum_squares,
+            std::int64_t full_cols, double eps, double weight_offset) {
+           DeviceScope scope(x);
+           return rms_norm_from_sum_squares(scope.ctx, x, weight, sum_squares, full_cols, eps,
+                                            weight_offset);
+         });
+  m.impl("rms_norm_backward_partial_sums",
+         [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+            const at::Tensor& rstd, double weight_offset) {
+           DeviceScope scope(x);
+           return rms_norm_backward_partial_sums(scope.ctx, dy, x, weight, rstd, weight_offset);
+         });
+  m.impl("rms_norm_backward_from_sums",
+         [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+            const at::Tensor& rstd, const at::Tensor& sum_g_xhat, std::int64_t full_cols,
+            double weight_offset, bool compute_dw, const OptTensor& dx_addend) {
+           DeviceScope scope(x);
+           return rms_norm_backward_from_sums(scope.ctx, dy, x, weight, rstd, sum_g_xhat, full_cols,
+                                              weight_offset, compute_dw, dx_addend);
+         });
   m.impl("fused_add_rms_norm.out",
          [](const at::Tensor& x, at::Tensor& residual, const OptTensor& weight, double eps,
             double weight_offset, at::Tensor& out) {

@@ -103,6 +103,22 @@ RowView matching_rows(const char* op, const char* argument, const at::Tensor& t,
   return input_rows(op, argument, t);
 }
 
+void check_same_dtype(const char* op, const char* argument, const at::Tensor& t,
+                      const at::Tensor& x) {
+  if (t.scalar_type() != x.scalar_type()) {
+    fail(op, argument,
+         std::string("dtype ") + c10::toString(t.scalar_type()) + " does not match x's " +
+             c10::toString(x.scalar_type()));
+  }
+}
+
+std::optional<RowView> optional_rows(const char* op, const char* argument,
+                                     const std::optional<at::Tensor>& t, const at::Tensor& x) {
+  if (!t.has_value() || !t->defined()) return std::nullopt;
+  check_same_dtype(op, argument, *t, x);
+  return matching_rows(op, argument, *t, x);
+}
+
 ConstVector optional_vector(const char* op, const char* argument,
                             const std::optional<at::Tensor>& t, const at::Tensor& x,
                             at::Tensor& keep_alive) {
@@ -139,6 +155,12 @@ const float* optional_row_stats(const char* op, const char* argument,
   }
   keep_alive = s.contiguous();
   return keep_alive.data_ptr<float>();
+}
+
+const float* required_row_stats(const char* op, const char* argument, const at::Tensor& t,
+                                const at::Tensor& x, std::int64_t rows, at::Tensor& keep_alive) {
+  if (!t.defined()) fail(op, argument, "is required");
+  return optional_row_stats(op, argument, t, x, rows, keep_alive);
 }
 
 Matrix new_rows(const at::Tensor& x, DType dtype, at::Tensor& out) {

@@ -56,6 +56,14 @@ void check_matching(const char* op, const char* argument, const at::Tensor& t, c
 RowView matching_rows(const char* op, const char* argument, const at::Tensor& t,
                       const at::Tensor& x);
 
+// An optional row-shaped argument (dx_addend): absent, or as matching_rows.
+std::optional<RowView> optional_rows(const char* op, const char* argument,
+                                     const std::optional<at::Tensor>& t, const at::Tensor& x);
+
+// t has x's dtype (an argument the core reads or writes as x's type).
+void check_same_dtype(const char* op, const char* argument, const at::Tensor& t,
+                      const at::Tensor& x);
+
 // weight / bias: absent, or a 1-D tensor on x's device (copied if not contiguous). The
 // dtype and length are checked by the core, which names the argument.
 ConstVector optional_vector(const char* op, const char* argument,
@@ -66,6 +74,10 @@ ConstVector optional_vector(const char* op, const char* argument,
 const float* optional_row_stats(const char* op, const char* argument,
                                 const std::optional<at::Tensor>& t, const at::Tensor& x,
                                 std::int64_t rows, at::Tensor& keep_alive);
+
+// The same for a statistic the operator requires.
+const float* required_row_stats(const char* op, const char* argument, const at::Tensor& t,
+                                const at::Tensor& x, std::int64_t rows, at::Tensor& keep_alive);
 
 // A fresh contiguous tensor with x's shape and dtype (x already checked: `dtype` is its
 // fusednorm dtype), and its rows x D view.

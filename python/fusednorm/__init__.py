@@ -74,7 +74,7 @@ if not _operators_registered():
 from . import _meta  # noqa: E402,F401  (fake kernels; autograd is registered in C++)
 from .functional import fused_add_rms_norm, layer_norm, rms_norm  # noqa: E402
 from .hf import patch_hf  # noqa: E402
-from .modules import LayerNorm, RMSNorm  # noqa: E402
+from .modules import FusedAddRMSNorm, LayerNorm, RMSNorm  # noqa: E402
 
 
 def has_cuda() -> bool:
@@ -83,6 +83,7 @@ def has_cuda() -> bool:
 
 
 __all__ = [
+    "FusedAddRMSNorm",
     "LayerNorm",
     "RMSNorm",
     "fused_add_rms_norm",

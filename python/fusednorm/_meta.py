@@ -15,13 +15,18 @@ Python kernel on every call, gradients or not): rms_norm, rms_norm_fwd, layer_no
 layer_norm_fwd are differentiable, their backward being the fused backward operators (which
 are not differentiable themselves: no double backward). fused_add_rms_norm and the .out
 overloads mutate their arguments and have no autograd formula; ``fusednorm.fused_add_rms_norm``
-falls back to the unfused composite when gradients are needed.
+falls back to the unfused composite when gradients are needed. Its functional form
+fused_add_rms_norm_fwd (no input mutated) is differentiable, registered at the end of this
+file: its backward adds the gradient reaching residual_out inside rms_norm_backward
+(``dx_addend``). The two-phase operators of the hidden-sharded norm (``*_partial_sum*``,
+``*_from_sum*``) are building blocks without autograd: fusednorm.distributed composes them,
+with the all-reduce between, into autograd Functions.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.library import register_fake
+from torch.library import register_autograd, register_fake
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -94,13 +99,65 @@ def _rms_norm_fwd_fake(x, weight, eps=1e-6, weight_offset=0.0):
     return x.new_empty(x.shape), _row_stats(x)
 
 
-@register_fake("fusednorm::rms_norm_backward")
-def _rms_norm_backward_fake(dy, x, weight, rstd, eps=1e-6, weight_offset=0.0, compute_dw=True):
-    _check_x("rms_norm_backward", x)
-    _check_like_x("rms_norm_backward", "dy", dy, x)
-    _check_vector("rms_norm_backward", "weight", weight, x)
+def _rms_grads_fake(op, dy, x, weight, compute_dw, dx_addend):
+    _check_x(op, x)
+    _check_like_x(op, "dy", dy, x)
+    _check_vector(op, "weight", weight, x)
+    if dx_addend is not None:
+        _check_like_x(op, "dx_addend", dx_addend, x)
     dw = weight.new_empty(weight.shape) if weight is not None and compute_dw else _absent(x)
     return x.new_empty(x.shape), dw
+
+
+@register_fake("fusednorm::rms_norm_backward")
+def _rms_norm_backward_fake(
+    dy, x, weight, rstd, eps=1e-6, weight_offset=0.0, compute_dw=True, dx_addend=None
+):
+    return _rms_grads_fake("rms_norm_backward", dy, x, weight, compute_dw, dx_addend)
+
+
+@register_fake("fusednorm::fused_add_rms_norm_fwd")
+def _fused_add_rms_norm_fwd_fake(x, residual, weight, eps=1e-6, weight_offset=0.0):
+    _check_x("fused_add_rms_norm_fwd", x)
+    _check_like_x("fused_add_rms_norm_fwd", "residual", residual, x)
+    _check_vector("fused_add_rms_norm_fwd", "weight", weight, x)
+    return x.new_empty(x.shape), x.new_empty(x.shape), _row_stats(x)
+
+
+@register_fake("fusednorm::rms_norm_partial_sum_squares")
+def _rms_norm_partial_sum_squares_fake(x):
+    _check_x("rms_norm_partial_sum_squares", x)
+    return _row_stats(x)
+
+
+@register_fake("fusednorm::fused_add_partial_sum_squares")
+def _fused_add_partial_sum_squares_fake(x, residual):
+    _check_x("fused_add_partial_sum_squares", x)
+    _check_like_x("fused_add_partial_sum_squares", "residual", residual, x)
+    return x.new_empty(x.shape), _row_stats(x)
+
+
+@register_fake("fusednorm::rms_norm_from_sum_squares")
+def _rms_norm_from_sum_squares_fake(x, weight, sum_squares, full_cols, eps=1e-6, weight_offset=0.0):
+    _check_x("rms_norm_from_sum_squares", x)
+    _check_vector("rms_norm_from_sum_squares", "weight", weight, x)
+    return x.new_empty(x.shape), _row_stats(x)
+
+
+@register_fake("fusednorm::rms_norm_backward_partial_sums")
+def _rms_norm_backward_partial_sums_fake(dy, x, weight, rstd, weight_offset=0.0):
+    _check_x("rms_norm_backward_partial_sums", x)
+    _check_like_x("rms_norm_backward_partial_sums", "dy", dy, x)
+    _check_vector("rms_norm_backward_partial_sums", "weight", weight, x)
+    return _row_stats(x)
+
+
+@register_fake("fusednorm::rms_norm_backward_from_sums")
+def _rms_norm_backward_from_sums_fake(
+    dy, x, weight, rstd, sum_g_xhat, full_cols, weight_offset=0.0, compute_dw=True,
+    dx_addend=None,
+):
+    return _rms_grads_fake("rms_norm_backward_from_sums", dy, x, weight, compute_dw, dx_addend)
 
 
 @register_fake("fusednorm::fused_add_rms_norm")
@@ -211,3 +268,46 @@ def _layer_norm_fwd_out_fake(x, weight, bias, eps=1e-5, *, y, mean, rstd):
     _check_out("layer_norm_fwd.out", "y", y, x)
     _check_stats_out("layer_norm_fwd.out", "mean", mean, x)
     _check_stats_out("layer_norm_fwd.out", "rstd", rstd, x)
+
+
+# ---- autograd of the functional fused add ---------------------------------------------
+# Registered from Python (one Python kernel per call of this training-only operator); the
+# other operators' autograd is in C++ (csrc/autograd.cpp).
+
+
+def _as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == like.dtype else t.to(like.dtype)
+
+
+def _fused_add_setup(ctx, inputs, output):
+    _, _, weight, eps, weight_offset = inputs
+    _, residual_out, rstd = output
+    ctx.eps = eps
+    ctx.weight_offset = weight_offset
+    ctx.save_for_backward(residual_out, weight, rstd)
+    ctx.mark_non_differentiable(rstd)
+
+
+def _fused_add_backward(ctx, dy, d_residual_out, unused_drstd):
+    # y = rms_norm(s) and residual_out = s, with s = x + residual: ds = norm's dx + the
+    # gradient reaching residual_out, added inside the backward kernel (the addend), and ds
+    # is the gradient of both x and residual.
+    s, weight, rstd = ctx.saved_tensors
+    want_x, want_residual, want_dw = ctx.needs_input_grad[:3]
+    ds, dw = torch.ops.fusednorm.rms_norm_backward(
+        _as(dy, s), s, weight, rstd, ctx.eps, ctx.weight_offset,
+        weight is not None and want_dw,
+        None if d_residual_out is None else _as(d_residual_out, s),
+    )
+    return (
+        ds if want_x else None,
+        ds if want_residual else None,
+        dw if want_dw else None,
+        None,
+        None,
+    )
+
+
+register_autograd(
+    "fusednorm::fused_add_rms_norm_fwd", _fused_add_backward, setup_context=_fused_add_setup
+)

@@ -37,8 +37,26 @@ _layer_norm = torch.ops.fusednorm.layer_norm.default
 _layer_norm_out = torch.ops.fusednorm.layer_norm.out
 
 
+_fused_add_rms_norm_fwd = torch.ops.fusednorm.fused_add_rms_norm_fwd.default
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# DTensor arguments go to fusednorm.distributed (a torch built without torch.distributed has
+# neither).
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+
+    from . import distributed as _dist_module
+except ImportError:  # torch without torch.distributed
+    _DTensor = None
+    _dist_module = None
+
+
+def _any_dtensor(*tensors) -> bool:
+    return _DTensor is not None and any(isinstance(t, _DTensor) for t in tensors)
 
 
 def rms_norm(
@@ -59,8 +77,12 @@ def rms_norm(
     does not recompute it.
 
     ``out``: write y there instead of a new tensor and return it (no gradient).
+
+    DTensor arguments give a DTensor with x's placements (fusednorm.distributed).
     """
     if out is None:
+        if _any_dtensor(x, weight):
+            return _dist_module.rms_norm(x, weight, eps, weight_offset)
         return _rms_norm(x, weight, eps, weight_offset)
     _rms_norm_out(x, weight, eps, weight_offset, out=out)
     return out
@@ -72,24 +94,40 @@ def fused_add_rms_norm(
     weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     weight_offset: float = 0.0,
+    inplace: bool = True,
     *,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``residual += x`` in place (rounded to residual's dtype), then return
-    ``rms_norm(residual, weight, eps, weight_offset)``, in one pass over memory.
+):
+    """Residual add then RMSNorm, in one pass over memory: ``s = x + residual`` (rounded to
+    residual's dtype), ``y = rms_norm(s, weight, eps, weight_offset)``.
 
-    ``x`` and ``residual`` have the same shape and dtype. ``residual`` must not overlap
-    ``x``; if its strides do not allow a rows x D view it is updated through a temporary
-    contiguous copy.
+    ``x`` and ``residual`` have the same shape and dtype.
 
-    Inference-oriented: the fused operator mutates ``residual`` and has no autograd formula.
-    When a gradient is needed (grad mode on and an input requiring grad) this function runs
-    the equivalent unfused composite ``residual.add_(x); rms_norm(residual, ...)`` instead,
-    so training gets correct gradients (and autograd's usual in-place checks).
+    ``inplace=True`` (the default, for inference): ``residual`` is overwritten with ``s``
+    and ``y`` is returned. ``residual`` must not overlap ``x``; if its strides do not allow a
+    rows x D view it is updated through a temporary contiguous copy. The in-place operator
+    has no autograd formula, so when a gradient is needed this runs the unfused composite
+    ``residual.add_(x); rms_norm(residual, ...)`` instead. ``out``: write y there instead of
+    a new tensor and return it (no gradient); ``out=x`` works in place.
 
-    ``out``: write the normalized value there instead of a new tensor and return it (no
-    gradient); ``out=x`` works in place.
+    ``inplace=False`` (for training): no input is mutated and ``(y, residual_out)`` is
+    returned, ``residual_out = s``. Differentiable in x, residual and weight with a fused
+    backward: the gradient reaching ``residual_out`` is added to the norm's dx inside the
+    backward kernel (one pass), and that one gradient is the gradient of both x and
+    residual. DTensor arguments are accepted in this form (fusednorm.distributed).
     """
+    if not inplace:
+        if out is not None:
+            raise TypeError("fusednorm.fused_add_rms_norm: out= needs inplace=True")
+        if _any_dtensor(x, residual, weight):
+            return _dist_module.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+        y, residual_out, _ = _fused_add_rms_norm_fwd(x, residual, weight, eps, weight_offset)
+        return y, residual_out
+    if _any_dtensor(x, residual, weight):
+        raise TypeError(
+            "fusednorm.fused_add_rms_norm: DTensor arguments need inplace=False (the "
+            "in-place form cannot rebind a DTensor residual's shards)"
+        )
     if out is not None:
         _fused_add_rms_norm_out(x, residual, weight, eps, weight_offset, out=out)
         return out
@@ -111,8 +149,12 @@ def layer_norm(
     biased variance, like ``torch.nn.functional.layer_norm(x, (D,), weight, bias, eps)``.
     Differentiable in ``x``, ``weight`` and ``bias``.
 
-    ``out``: write y there instead of a new tensor and return it (no gradient)."""
+    ``out``: write y there instead of a new tensor and return it (no gradient). DTensor
+    arguments (rows sharded or replicated) give a DTensor with x's placements
+    (fusednorm.distributed)."""
     if out is None:
+        if _any_dtensor(x, weight, bias):
+            return _dist_module.layer_norm(x, weight, bias, eps)
         return _layer_norm(x, weight, bias, eps)
     _layer_norm_out(x, weight, bias, eps, out=out)
     return out

@@ -21,19 +21,49 @@ Two conventions exist in transformers (checked against transformers 5.x modeling
 Other ``*RMSNorm`` classes with a 1-D ``weight`` and an ``eps`` / ``variance_epsilon``
 attribute are replaced only if a numerical probe on a small fp32 input matches one of the
 two conventions; anything else is left alone.
+
+Fused residual add (``fuse_add=True``): in the decoder layers of Llama, Mistral, Qwen2,
+Qwen3 and Gemma (the classes in ``FUSED_ADD_DECODER_LAYERS``) the MLP's input is::
+
+    hidden_states = residual + attn_out          # rounded to the activation dtype
+    residual = hidden_states
+    hidden_states = post_attention_layernorm(hidden_states)
+
+which is exactly ``fused_add_rms_norm(attn_out, residual, inplace=False)``: the same
+rounding, so the same numbers. patch_hf makes post_attention_layernorm an
+``HFFusedAddRMSNorm`` and gives the layer a forward (a subclass of its class) that calls
+``post_attention_layernorm(attn_out, residual=residual)``. The residual is a keyword
+argument so that torch's SequenceParallel, whose input hook rewrites only the positional
+input, leaves it alone. Gemma2 and Gemma3 normalize the attention output before the add
+(post_attention_layernorm, then pre_feedforward_layernorm on the sum); they keep their
+unfused layers. The add before the next layer's input_layernorm crosses a layer boundary
+and stays unfused.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
 
 from . import functional as F
 
-__all__ = ["patch_hf", "HFRMSNorm"]
+__all__ = ["patch_hf", "HFRMSNorm", "HFFusedAddRMSNorm"]
 
 LLAMA_STYLE = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 GEMMA_STYLE = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
+# Decoder layers whose "residual + attention output -> post_attention_layernorm" is taken
+# into fused_add_rms_norm (checked against transformers 5.x modeling files).
+FUSED_ADD_DECODER_LAYERS = frozenset(
+    {
+        "LlamaDecoderLayer",
+        "MistralDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen3DecoderLayer",
+        "GemmaDecoderLayer",
+    }
+)
 
 
 class HFRMSNorm(nn.Module):
@@ -69,16 +99,23 @@ class HFRMSNorm(nn.Module):
     def variance_epsilon(self, value: float) -> None:
         self.eps = float(value)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _kernel_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         w = self.weight
-        if w is not None and w.dtype != hidden_states.dtype and w.dtype != torch.float32:
+        if w is not None and w.dtype != x.dtype and w.dtype != torch.float32:
             w = w.float()  # exact; the kernels take x's dtype or fp32
-        y = F.rms_norm(hidden_states, w, self.eps, self.weight_offset)
+        return w
+
+    def _promote(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.promote_output and self.weight is not None:
-            out_dtype = torch.promote_types(self.weight.dtype, hidden_states.dtype)
+            out_dtype = torch.promote_types(self.weight.dtype, x.dtype)
             if out_dtype != y.dtype:
                 y = y.to(out_dtype)
         return y
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        w = self._kernel_weight(hidden_states)
+        y = F.rms_norm(hidden_states, w, self.eps, self.weight_offset)
+        return self._promote(y, hidden_states)
 
     def extra_repr(self) -> str:
         shape = tuple(self.weight.shape) if self.weight is not None else None
@@ -86,6 +123,88 @@ class HFRMSNorm(nn.Module):
             f"{shape}, eps={self.eps}, weight_offset={self.weight_offset}, "
             f"replaces={self.original_class}"
         )
+
+
+class HFFusedAddRMSNorm(HFRMSNorm):
+    """An HFRMSNorm that can also take the residual add: ``forward(x)`` is the norm, and
+    ``forward(x, residual=r)`` returns ``(norm(x + r), x + r)`` through the functional
+    ``fused_add_rms_norm(..., inplace=False)`` (fused forward and backward)."""
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return super().forward(hidden_states)
+        w = self._kernel_weight(hidden_states)
+        y, residual_out = F.fused_add_rms_norm(
+            hidden_states, residual, w, self.eps, self.weight_offset, inplace=False
+        )
+        return self._promote(y, hidden_states), residual_out
+
+
+def _fused_add_decoder_forward(self, hidden_states, *args, **kwargs):
+    """The decoder layer's forward with the residual add taken into the MLP's norm. Every
+    argument but hidden_states goes to self_attn, as in the original forward."""
+    if args:
+        bound = self._unfused_signature.bind(hidden_states, *args, **kwargs)
+        bound.arguments.pop(next(iter(bound.arguments)))  # hidden_states
+        extra = bound.arguments.pop("kwargs", {})
+        kwargs = {**bound.arguments, **extra}
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
+    hidden_states = self.mlp(hidden_states)
+    return residual + hidden_states
+
+
+_FUSED_LAYER_CLASSES: dict[type, type] = {}
+
+
+def _fused_layer_class(cls: type) -> type:
+    if cls not in _FUSED_LAYER_CLASSES:
+        _FUSED_LAYER_CLASSES[cls] = type(
+            f"FusedAdd{cls.__name__}",
+            (cls,),
+            {
+                "forward": _fused_add_decoder_forward,
+                "_unfused_signature": inspect.signature(cls.forward).replace(
+                    parameters=list(inspect.signature(cls.forward).parameters.values())[1:]
+                ),
+                "__doc__": f"{cls.__name__} with its post-attention residual add fused "
+                "into post_attention_layernorm (fusednorm.patch_hf).",
+            },
+        )
+    return _FUSED_LAYER_CLASSES[cls]
+
+
+def _fusable_layer(module: nn.Module) -> bool:
+    if type(module) in _FUSED_LAYER_CLASSES.values():
+        return False  # already fused
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return (
+        bool(names & FUSED_ADD_DECODER_LAYERS)
+        and isinstance(getattr(module, "post_attention_layernorm", None), HFRMSNorm)
+        and all(hasattr(module, a) for a in ("input_layernorm", "self_attn", "mlp"))
+    )
+
+
+def _fuse_adds(model: nn.Module) -> list[str]:
+    fused = []
+    for name, module in model.named_modules():
+        if not _fusable_layer(module):
+            continue
+        norm = module.post_attention_layernorm
+        fused_norm = HFFusedAddRMSNorm(
+            norm.weight,
+            norm.eps,
+            weight_offset=norm.weight_offset,
+            promote_output=norm.promote_output,
+            original_class=norm.original_class,
+        )
+        fused_norm.train(norm.training)
+        module.post_attention_layernorm = fused_norm
+        module.__class__ = _fused_layer_class(type(module))
+        fused.append(name)
+    return fused
 
 
 def _eps_of(module: nn.Module) -> float | None:
@@ -123,7 +242,9 @@ def _probe_style(module: nn.Module, weight: torch.Tensor, eps: float) -> str | N
     return None
 
 
-def patch_hf(model: nn.Module, include_generic: bool = True) -> list[tuple[str, str]]:
+def patch_hf(
+    model: nn.Module, include_generic: bool = True, fuse_add: bool = True
+) -> list[tuple[str, str]]:
     """Replace, in place, the RMSNorm modules of a transformers model by fusednorm modules.
 
     Known classes: LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm (and their
@@ -132,9 +253,18 @@ def patch_hf(model: nn.Module, include_generic: bool = True) -> list[tuple[str, 
     ``*RMSNorm`` modules are replaced when a numerical probe shows which of the two they
     compute. The replacement keeps the very same ``weight`` Parameter object.
 
+    With ``fuse_add``, the decoder layers listed in ``FUSED_ADD_DECODER_LAYERS`` (Llama,
+    Mistral, Qwen2, Qwen3, Gemma) also take the residual add before their MLP into
+    post_attention_layernorm (``fused_add_rms_norm``, fused forward and backward; the
+    same numbers as the unfused layer). Their class becomes a subclass
+    ``FusedAdd<Class>`` whose forward does that.
+
     Returns the ``(qualified module name, original class name)`` pairs replaced, in
     ``model.named_modules()`` order. Already-patched modules are skipped, so calling it
     twice is harmless.
+
+    With torch.distributed: call it before ``parallelize_module`` / ``fully_shard`` (they
+    attach hooks to the modules that patch_hf replaces).
     """
     replaced: list[tuple[str, str]] = []
     replacements: dict[int, HFRMSNorm] = {}  # a module shared by several parents
@@ -171,4 +301,6 @@ def patch_hf(model: nn.Module, include_generic: bool = True) -> list[tuple[str, 
         replacements[id(module)] = replacement
         setattr(parent, child, replacement)
         replaced.append((name, class_name))
+    if fuse_add:
+        _fuse_adds(model)
     return replaced

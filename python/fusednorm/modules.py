@@ -12,7 +12,7 @@ import torch
 
 from . import functional as F
 
-__all__ = ["RMSNorm", "LayerNorm"]
+__all__ = ["RMSNorm", "FusedAddRMSNorm", "LayerNorm"]
 
 
 def _last_dim_only(cls: str, normalized_shape: tuple[int, ...]) -> None:
@@ -63,6 +63,26 @@ class RMSNorm(torch.nn.RMSNorm):
         _check_input("RMSNorm", x, self.normalized_shape)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return F.rms_norm(x, _weight_for(x, self.weight), eps)
+
+
+class FusedAddRMSNorm(RMSNorm):
+    """Residual add and RMSNorm in one module, for training and inference:
+    ``forward(x, residual) -> (y, residual_out)`` with ``residual_out = x + residual`` and
+    ``y = rms_norm(residual_out)``. Neither input is mutated; the backward is fused (the
+    gradient reaching residual_out is added inside the norm's backward kernel).
+    ``residual=None`` (the first layer of a residual stream) gives ``(rms_norm(x), x)``.
+
+    Same constructor, parameters and ``state_dict`` as ``torch.nn.RMSNorm``. Accepts
+    DTensors like the functional form.
+    """
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        _check_input("FusedAddRMSNorm", x, self.normalized_shape)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        weight = _weight_for(x, self.weight)
+        if residual is None:
+            return F.rms_norm(x, weight, eps), x
+        return F.fused_add_rms_norm(x, residual, weight, eps, inplace=False)
 
 
 class LayerNorm(torch.nn.LayerNorm):

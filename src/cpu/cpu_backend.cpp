@@ -686,7 +686,8 @@ void forward(const ForwardProblem& p, int num_threads) {
     forward_split_rows(call, plan.threads);
     return;
   }
-  if (use_short_rows(call)) {
+  // The multi-row kernel computes each row's statistics itself: whole rows only.
+  if (p.phase == Phase::kWhole && use_short_rows(call)) {
     forward_short_rows(call, plan.threads);
     return;
   }

@@ -611,7 +611,7 @@ void FillWriters(DTypeKernels* k) {
   SetNormalizeWeights<T, kStream, true, void>(normalize[1]);
   SetNormalizeWeights<T, kStream, true, float>(normalize[1]);
   if constexpr (!std::is_same_v<T, float>) SetNormalizeWeights<T, kStream, true, T>(normalize[1]);
-  // Only RMSNorm takes a dx addend.
+  // Only RMSNorm (not centered, no bias gradient) takes a dx addend.
   auto& apply = k->backward_apply[kStream];
   auto& pair = k->backward_apply_pair[kStream];
   FillApply<T, kStream, false, false, false, false, false>(apply, pair);

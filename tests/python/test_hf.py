@@ -212,3 +212,42 @@ def test_patch_hf_llama_fp32_weight_bf16_input_keeps_promotion():
     y = model(x)
     assert y.dtype == expected.dtype == torch.float32
     assert_close_normalized(y, expected, 2 * TOL[torch.bfloat16], "y")
+
+
+FUSED_LAYERS = {"llama": True, "gemma": True, "qwen3": True, "gemma3": False}
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", MODELS, ids=str)
+def test_patch_hf_fuses_the_residual_add(arch):
+    make, _, _ = MODELS[arch]
+    model = make()
+    fusednorm.patch_hf(model)
+    layers = model.model.layers
+    fused = FUSED_LAYERS[arch]
+    assert all(type(layer).__name__.startswith("FusedAdd") == fused for layer in layers)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 6))
+    with _OpCounter() as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    fused_calls = counter.counts.get("fusednorm.fused_add_rms_norm_fwd", 0)
+    assert fused_calls == (len(layers) if fused else 0), counter.counts
+    # the fused backward: rms_norm_backward with the addend, once per fused layer and once
+    # per plain norm
+    assert counter.counts.get("fusednorm.rms_norm_backward", 0) > 0
+    # unfused on request
+    plain = make()
+    fusednorm.patch_hf(plain, fuse_add=False)
+    assert not any(type(layer).__name__.startswith("FusedAdd") for layer in plain.model.layers)
+    # deepcopy keeps the fused layers working
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(input_ids=ids).logits, model(input_ids=ids).logits)
