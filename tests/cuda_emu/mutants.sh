@@ -69,6 +69,11 @@ mutant rstd-wrong-row src/cuda/norm_backward.cuh \
 '      rstd = row_ok ? a.rstd[g * blockDim.y] : 0.0f;' \
 "backward register rows use the rstd of their CTA's first row"
 
+mutant addend-wrong-row src/cuda/norm_backward.cuh \
+'    v.load(row_ptr<T>(a.dx_addend, row, a.dx_addend_stride) + j * kVec);' \
+'    v.load(row_ptr<T>(a.dx_addend, 0, a.dx_addend_stride) + j * kVec);' \
+"the fused add's backward adds row 0's dx addend to every row"
+
 mutant schedule-order-sum src/cuda/norm_backward.cuh \
 '  const int row_floats = team * kK * kVec;' \
 '  if (threadIdx.y == 0) {
