@@ -24,7 +24,15 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// kInt8 and kFloat8E4M3 (OCP E4M3FN: 4 exponent bits, 3 mantissa bits, bias 7, no infinity,
+// finite max 448) are output dtypes of the quantized operators only.
+enum class DType : std::uint8_t {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kInt8 = 3,
+  kFloat8E4M3 = 4,
+};
 
 // Bytes of one element; throws fusednorm::Error for a value outside the enum.
 std::size_t dtype_size(DType dtype);
@@ -138,6 +146,45 @@ void fused_add_rms_norm(const Context& ctx, ConstMatrix x, Matrix residual, Cons
 void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
                        const float* rstd, Matrix dx, Vector dw, const RmsNormOptions& options = {},
                        Workspace workspace = {}, ConstMatrix dx_addend = {});
+
+// ---------------------------------------------------------------------------------------
+// Quantized RMSNorm: the norm's output quantized in the same pass, for the INT8 / FP8 GEMM
+// that reads it. y is never rounded to x's dtype and never stored.
+//
+// y[r, j] is the fp32 value rms_norm computes before rounding (same operations, same order).
+// q[r, j] = saturate(round_to_nearest_even(y[r, j] * inv_scale[r])), where inv_scale[r] =
+// 1.0f / scale[r] is one correctly rounded fp32 division per row, and the product is fp32.
+// A multiplication by the reciprocal, not a division per element, on every backend.
+//   q dtype kInt8:       saturate to [-128, 127]; NaN -> 0.
+//   q dtype kFloat8E4M3: round to nearest even in E4M3FN (subnormals included), saturate
+//                        to +-448 (+-Inf too); NaN -> NaN.
+// Scales (fp32, on ctx's device):
+//   static:  scale[r] = *static_scale for every row; finite and > 0. A pointer, so that a
+//            CUDA graph replays with a new value. (The CPU checks the value; CUDA cannot
+//            without a synchronisation and does not.)
+//   dynamic per token (static_scale == nullptr): amax[r] = max_j |y[r, j]| over the row's
+//            non-NaN values (0 if none), then amax[r] = min(amax[r], *scale_upper_bound)
+//            when given (it bounds amax, as vLLM's and FBGEMM's scale_ub do), then
+//            scale[r] = max(amax[r] / qmax, min_scale) (fp32 division), with qmax = 127 or
+//            448 and min_scale = FLT_EPSILON (int8) or 1 / (448 * 512) (FP8), vLLM's values.
+//            row_scales receives scale[r]. An all-zero row gets min_scale and q = 0.
+// So q[r, j] * scale[r] dequantizes. Exactly one of static_scale and row_scales is given;
+// scale_upper_bound (finite, > 0) only with row_scales.
+struct QuantScale {
+  const float* static_scale = nullptr;
+  float* row_scales = nullptr;
+  const float* scale_upper_bound = nullptr;
+};
+
+// q = quantize(rms_norm(x, weight)). q: rows x D, dtype kInt8 or kFloat8E4M3, any row stride.
+void rms_norm_quant(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix q,
+                    QuantScale scale, const RmsNormOptions& options = {});
+
+// residual <- x + residual (rounded to the residual's dtype, as fused_add_rms_norm), then
+// q = quantize(rms_norm(residual)). One pass over memory.
+void fused_add_rms_norm_quant(const Context& ctx, ConstMatrix x, Matrix residual,
+                              ConstVector weight, Matrix q, QuantScale scale,
+                              const RmsNormOptions& options = {});
 
 // ---------------------------------------------------------------------------------------
 // RMSNorm in two phases, for a row whose columns are split across devices or processes (the

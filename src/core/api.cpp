@@ -23,6 +23,9 @@ std::size_t dtype_size(DType dtype) {
       return 2;
     case DType::kBFloat16:
       return 2;
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+      return 1;
   }
   throw Error("fusednorm: unsupported dtype value " + std::to_string(static_cast<int>(dtype)));
 }
@@ -35,6 +38,10 @@ const char* dtype_name(DType dtype) {
       return "float16";
     case DType::kBFloat16:
       return "bfloat16";
+    case DType::kInt8:
+      return "int8";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3fn";
   }
   return "invalid";
 }

@@ -36,8 +36,13 @@ struct ForwardProblem {
   const float* row_sum = nullptr;
   const float* row_sum_squared_deviations = nullptr;
   std::int64_t full_cols = 0;
+  // Quantized operators (RMSNorm only): q (kInt8 or kFloat8E4M3) replaces y, which is then
+  // absent; quant_scale as fusednorm.h's QuantScale.
+  Matrix q;
+  QuantScale quant_scale;
 
   bool has_residual() const { return residual.data != nullptr; }
+  bool is_quantized() const { return q.data != nullptr; }
   std::int64_t rows() const { return x.rows; }
   std::int64_t cols() const { return x.cols; }
 };

@@ -63,6 +63,19 @@ inline std::uint16_t float_to_fp16(float f) {
   return sign | static_cast<std::uint16_t>((rebased + rounding_bias) >> 13);
 }
 
+// OCP FP8 E4M3FN bits -> fp32 (exact). The other direction, a quantization, is in quantize.h.
+inline float e4m3_to_float(std::uint8_t b) {
+  const std::uint32_t sign = std::uint32_t{b & 0x80u} << 24;
+  const std::uint32_t exponent = (b >> 3) & 0xfu;
+  const std::uint32_t mantissa = b & 0x7u;
+  if (exponent == 0xf && mantissa == 0x7) return bits_float(sign | 0x7fc00000u);  // NaN
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 0.001953125f;  // m * 2^-9, exact
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
 // Load element i of a buffer of the given dtype as fp32.
 inline float load_as_float(const void* data, DType dtype, std::int64_t i) {
   switch (dtype) {
@@ -72,6 +85,10 @@ inline float load_as_float(const void* data, DType dtype, std::int64_t i) {
       return fp16_to_float(static_cast<const std::uint16_t*>(data)[i]);
     case DType::kBFloat16:
       return bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    case DType::kInt8:
+      return static_cast<float>(static_cast<const std::int8_t*>(data)[i]);
+    case DType::kFloat8E4M3:
+      return e4m3_to_float(static_cast<const std::uint8_t*>(data)[i]);
   }
   return 0.0f;
 }
@@ -88,6 +105,9 @@ inline void store_from_float(void* data, DType dtype, std::int64_t i, float valu
     case DType::kBFloat16:
       static_cast<std::uint16_t*>(data)[i] = float_to_bf16(value);
       return;
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+      return;  // quantized outputs are stored by quantize.h's saturating conversions only
   }
 }
 

@@ -26,6 +26,8 @@ std::string dtype_str(DType dtype) {
     case DType::kFloat32: return "f32";
     case DType::kFloat16: return "f16";
     case DType::kBFloat16: return "bf16";
+    case DType::kInt8: return "i8";
+    case DType::kFloat8E4M3: return "e4m3";
   }
   return "invalid";
 }
@@ -74,6 +76,7 @@ bool Buffer::raw_is_sentinel(std::int64_t i) const {
     case DType::kFloat32: return raw_bits(i) == kSentinel32;
     case DType::kFloat16: return raw_bits(i) == kSentinel16;
     case DType::kBFloat16: return raw_bits(i) == kSentinelBf;
+    default: break;
   }
   return false;
 }
@@ -243,6 +246,7 @@ double tolerance(DType dtype) {
     case DType::kFloat32: return kAccumulation + 2 * 0x1p-24;
     case DType::kFloat16: return kAccumulation + 2 * 0x1p-11;  // ~2^-10
     case DType::kBFloat16: return kAccumulation + 2 * 0x1p-8;  // ~2^-7
+    default: break;  // quantized outputs have their own checks
   }
   return 0.0;
 }
@@ -252,6 +256,7 @@ double absolute_floor(DType dtype) {
     case DType::kFloat32: return 0x1p-150;
     case DType::kFloat16: return 0x1p-25;
     case DType::kBFloat16: return 0x1p-134;
+    default: break;
   }
   return 0.0;
 }

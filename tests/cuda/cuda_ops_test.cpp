@@ -78,6 +78,7 @@ double tolerance(DType dtype) {
     case DType::kFloat32: return 2e-5;
     case DType::kFloat16: return 1.0 / 1024;
     case DType::kBFloat16: return 1.0 / 128;
+    default: break;
   }
   return 0;
 }
