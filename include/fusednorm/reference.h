@@ -47,4 +47,22 @@ std::vector<double> row_sum_squares(ConstMatrix x);
 std::vector<double> row_sum_g_xhat(ConstMatrix dy, ConstMatrix x, ConstVector weight,
                                    const float* rstd, const RmsNormOptions& options = {});
 
+// The quantized operators (fusednorm.h, "Quantized RMSNorm") in fp64: y, the scale and
+// y / scale unrounded, so that a test can tell a rounding-boundary case from an error.
+struct QuantResult {
+  std::vector<double> y;         // rows x cols, the norm's output before quantization
+  std::vector<double> residual;  // fused add only: the stored (rounded) residual
+  // Per row: the static scale, or the dynamic one from the fp64 amax (bounded by
+  // scale_upper_bound, divided by qmax, floored at the dtype's min_scale).
+  std::vector<double> scale;
+  std::vector<double> q_exact;  // rows x cols: y / scale, before rounding and saturation
+};
+
+// residual.data == nullptr: rms_norm_quant; otherwise fused_add_rms_norm_quant. q_dtype is
+// DType::kInt8 or DType::kFloat8E4M3; static_scale == nullptr means dynamic per token, and
+// scale_upper_bound (nullable) then bounds each row's amax. Pointers are host pointers.
+QuantResult rms_norm_quant(ConstMatrix x, ConstMatrix residual, ConstVector weight, DType q_dtype,
+                           const float* static_scale, const float* scale_upper_bound,
+                           const RmsNormOptions& options = {});
+
 }  // namespace fusednorm::reference
