@@ -22,6 +22,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <sstream>
 #include <string>
 
 #include "cpu/row_kernels.h"
@@ -385,6 +386,169 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   return {dx, dw, db};
 }
 
+// ---- Quantized RMSNorm -----------------------------------------------------------------
+// One body per operator, writing into the q (and per-row scales) it is given; the allocating
+// forms allocate them and call it, so the .out forms are the only path into the core.
+
+namespace {
+
+// Shape of the dynamic per-token scales: x.shape[:-1] + (1,), so that q * scale dequantizes.
+std::vector<std::int64_t> token_scales_shape(const at::Tensor& x) {
+  auto shape = row_stats_shape(x);
+  shape.push_back(1);
+  return shape;
+}
+
+// A one-element fp32 tensor on x's device (static scale, scale_ub). Its value is checked by
+// the core on the CPU (finite, > 0); on CUDA reading it would synchronize, so it is not.
+const float* one_fp32(const char* op, const char* argument, const OptTensor& t,
+                      const at::Tensor& x) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  if (t->scalar_type() != at::kFloat) {
+    fail(op, argument,
+         std::string("dtype must be float32, got ") + c10::toString(t->scalar_type()));
+  }
+  if (t->numel() != 1) {
+    fail(op, argument, "must have exactly one element, got " + std::to_string(t->numel()));
+  }
+  if (t->device() != x.device()) {
+    fail(op, argument, "is on " + t->device().str() + " but x is on " + x.device().str());
+  }
+  return t->data_ptr<float>();
+}
+
+// The scale arguments of either mode: static (scale given: no row_scales, no scale_ub) or
+// dynamic per token (row_scales written, scale_ub optional).
+QuantScale quant_scale(const char* op, const at::Tensor& x, const OptTensor& scale,
+                       const OptTensor& scale_ub, const OptTensor& row_scales) {
+  QuantScale s;
+  s.static_scale = one_fp32(op, "scale", scale, x);
+  s.scale_upper_bound = one_fp32(op, "scale_ub", scale_ub, x);
+  const bool has_row_scales = row_scales.has_value() && row_scales->defined();
+  if (s.static_scale != nullptr) {
+    if (s.scale_upper_bound != nullptr) {
+      fail(op, "scale_ub", "bounds the dynamic per-token scale; it cannot be given with a static scale");
+    }
+    if (has_row_scales) {
+      fail(op, "row_scales", "is written only in dynamic mode (scale=None); a static scale is given");
+    }
+    return s;
+  }
+  if (!has_row_scales) fail(op, "row_scales", "is required in dynamic mode (scale=None)");
+  const at::Tensor& r = *row_scales;
+  if (r.scalar_type() != at::kFloat) {
+    fail(op, "row_scales", std::string("dtype must be float32, got ") + c10::toString(r.scalar_type()));
+  }
+  const auto shape = token_scales_shape(x);
+  if (r.sizes() != at::IntArrayRef(shape)) {
+    std::ostringstream msg;
+    msg << "shape " << r.sizes() << " must be x.shape[:-1] + (1,) = " << at::IntArrayRef(shape);
+    fail(op, "row_scales", msg.str());
+  }
+  if (r.device() != x.device()) {
+    fail(op, "row_scales", "is on " + r.device().str() + " but x is on " + x.device().str());
+  }
+  if (!r.is_contiguous()) fail(op, "row_scales", "must be contiguous");
+  s.row_scales = r.data_ptr<float>();
+  return s;
+}
+
+// The quant operators' body: residual (optional) is added into in place first.
+void run_rms_norm_quant(const char* op, const Context& ctx, const at::Tensor& x,
+                        const OptTensor& residual, const OptTensor& weight, double eps,
+                        double weight_offset, const OptTensor& scale, const OptTensor& scale_ub,
+                        at::Tensor& out, const OptTensor& row_scales) {
+  const RowView xv = input_rows(op, "x", x);
+  const OutputRows qv = quantized_output_rows(op, "out", out, x);
+  const QuantScale qs = quant_scale(op, x, scale, scale_ub, row_scales);
+  const at::Tensor* residual_in = optional_input(residual);
+  check_no_overlap(op, "out", out,
+                   {{"x", &x},
+                    {"residual", residual_in},
+                    {"weight", optional_input(weight)},
+                    {"scale", optional_input(scale)},
+                    {"scale_ub", optional_input(scale_ub)}});
+  if (row_scales.has_value()) {
+    check_no_overlap(op, "row_scales", *row_scales,
+                     {{"x", &x},
+                      {"residual", residual_in},
+                      {"weight", optional_input(weight)},
+                      {"scale_ub", optional_input(scale_ub)},
+                      {"out", &out}});
+  }
+  at::Tensor w_keep;
+  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
+  const RmsNormOptions options{as_float(eps), as_float(weight_offset)};
+  if (residual_in == nullptr) {
+    call_core([&] {
+      fusednorm::rms_norm_quant(ctx, xv.const_matrix(), w, qv.matrix(), qs, options);
+    });
+  } else {
+    check_same_dtype(op, "residual", *residual, x);
+    const OutputRows rv = output_rows(op, "residual", *residual, x, /*keep_contents=*/true);
+    check_no_overlap(op, "residual", *residual,
+                     {{"x", &x}, {"weight", optional_input(weight)}, {"scale", optional_input(scale)},
+                      {"scale_ub", optional_input(scale_ub)}});
+    call_core([&] {
+      fusednorm::fused_add_rms_norm_quant(ctx, xv.const_matrix(), rv.matrix(), w, qv.matrix(), qs,
+                                          options);
+    });
+    rv.finish();
+  }
+  qv.finish();
+}
+
+// Allocates q (and the per-token scales in dynamic mode; an empty [0] tensor in static mode,
+// where the caller's scale is the scale) and runs the body.
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant_alloc(
+    const char* op, const Context& ctx, const at::Tensor& x, const OptTensor& residual,
+    const OptTensor& weight, double eps, double weight_offset, at::ScalarType dtype,
+    const OptTensor& scale, const OptTensor& scale_ub) {
+  to_quant_dtype(op, "dtype", dtype);
+  input_rows(op, "x", x);  // checks x before its shape is used (no copy for any layout we read)
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
+  const bool dynamic = !scale.has_value() || !scale->defined();
+  at::Tensor row_scales = dynamic ? at::empty(token_scales_shape(x), x.options().dtype(at::kFloat))
+                                  : at::empty({0}, x.options().dtype(at::kFloat));
+  run_rms_norm_quant(op, ctx, x, residual, weight, eps, weight_offset, scale, scale_ub, q,
+                     dynamic ? OptTensor(row_scales) : std::nullopt);
+  return {q, row_scales};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant(const Context& ctx, const at::Tensor& x,
+                                                  const OptTensor& weight, double eps,
+                                                  double weight_offset, at::ScalarType dtype,
+                                                  const OptTensor& scale,
+                                                  const OptTensor& scale_ub) {
+  return rms_norm_quant_alloc("rms_norm_quant", ctx, x, std::nullopt, weight, eps, weight_offset,
+                              dtype, scale, scale_ub);
+}
+
+void rms_norm_quant_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight,
+                        double eps, double weight_offset, const OptTensor& scale,
+                        const OptTensor& scale_ub, at::Tensor& out, const OptTensor& row_scales) {
+  run_rms_norm_quant("rms_norm_quant.out", ctx, x, std::nullopt, weight, eps, weight_offset, scale,
+                     scale_ub, out, row_scales);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_quant(
+    const Context& ctx, const at::Tensor& x, at::Tensor& residual, const OptTensor& weight,
+    double eps, double weight_offset, at::ScalarType dtype, const OptTensor& scale,
+    const OptTensor& scale_ub) {
+  return rms_norm_quant_alloc("fused_add_rms_norm_quant", ctx, x, residual, weight, eps,
+                              weight_offset, dtype, scale, scale_ub);
+}
+
+void fused_add_rms_norm_quant_out(const Context& ctx, const at::Tensor& x, at::Tensor& residual,
+                                  const OptTensor& weight, double eps, double weight_offset,
+                                  const OptTensor& scale, const OptTensor& scale_ub,
+                                  at::Tensor& out, const OptTensor& row_scales) {
+  run_rms_norm_quant("fused_add_rms_norm_quant.out", ctx, x, residual, weight, eps, weight_offset,
+                     scale, scale_ub, out, row_scales);
+}
+
 namespace {
 
 struct CpuScope {
@@ -472,6 +636,28 @@ TORCH_LIBRARY(fusednorm, m) {
       "layer_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? mean, Tensor? rstd, "
       "float eps=1e-05, bool compute_dw=True, bool compute_db=True) "
       "-> (Tensor dx, Tensor dw, Tensor db)",
+      tags);
+  // Quantized RMSNorm (fusednorm.h): q int8 / float8_e4m3fn; `scale` given: static, and the
+  // second output is an empty [0] tensor (an output may not alias an input); scale None:
+  // dynamic per token, the second output is the fp32 scales, shape x.shape[:-1] + (1,).
+  m.def(
+      "rms_norm_quant(Tensor x, Tensor? weight, float eps=1e-06, float weight_offset=0., *, "
+      "ScalarType dtype, Tensor? scale=None, Tensor? scale_ub=None) -> (Tensor q, Tensor scale)",
+      tags);
+  m.def(
+      "rms_norm_quant.out(Tensor x, Tensor? weight, float eps=1e-06, float weight_offset=0., *, "
+      "Tensor? scale=None, Tensor? scale_ub=None, Tensor(a!) out, Tensor(b!)? row_scales=None) "
+      "-> ()",
+      tags);
+  m.def(
+      "fused_add_rms_norm_quant(Tensor x, Tensor(a!) residual, Tensor? weight, float eps=1e-06, "
+      "float weight_offset=0., *, ScalarType dtype, Tensor? scale=None, Tensor? scale_ub=None) "
+      "-> (Tensor q, Tensor scale)",
+      tags);
+  m.def(
+      "fused_add_rms_norm_quant.out(Tensor x, Tensor(a!) residual, Tensor? weight, "
+      "float eps=1e-06, float weight_offset=0., *, Tensor? scale=None, Tensor? scale_ub=None, "
+      "Tensor(b!) out, Tensor(c!)? row_scales=None) -> ()",
       tags);
   // The Highway target the CPU kernels run on this machine, for benchmark reports.
   m.def("cpu_simd_target() -> str",

@@ -69,6 +69,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
     const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
     const OptTensor& mean, const OptTensor& rstd, double eps, bool compute_dw, bool compute_db);
 
+// Quantized RMSNorm (static scale or dynamic per token; see ops.cpp's schemas). The
+// allocating forms return (q, per-token scales), the scales empty [0] in static mode.
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant(const Context& ctx, const at::Tensor& x,
+                                                  const OptTensor& weight, double eps,
+                                                  double weight_offset, at::ScalarType dtype,
+                                                  const OptTensor& scale,
+                                                  const OptTensor& scale_ub);
+void rms_norm_quant_out(const Context& ctx, const at::Tensor& x, const OptTensor& weight,
+                        double eps, double weight_offset, const OptTensor& scale,
+                        const OptTensor& scale_ub, at::Tensor& out, const OptTensor& row_scales);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_quant(
+    const Context& ctx, const at::Tensor& x, at::Tensor& residual, const OptTensor& weight,
+    double eps, double weight_offset, at::ScalarType dtype, const OptTensor& scale,
+    const OptTensor& scale_ub);
+void fused_add_rms_norm_quant_out(const Context& ctx, const at::Tensor& x, at::Tensor& residual,
+                                  const OptTensor& weight, double eps, double weight_offset,
+                                  const OptTensor& scale, const OptTensor& scale_ub,
+                                  at::Tensor& out, const OptTensor& row_scales);
+
 // Registers every operator for one dispatch key. DeviceScope is constructed from x for the
 // duration of the call (a device guard on CUDA) and exposes the Context as `ctx`.
 template <typename DeviceScope>
@@ -144,6 +163,36 @@ void register_kernels(torch::Library& m) {
             double weight_offset, at::Tensor& out) {
            DeviceScope scope(x);
            fused_add_rms_norm_out(scope.ctx, x, residual, weight, eps, weight_offset, out);
+         });
+  m.impl("rms_norm_quant",
+         [](const at::Tensor& x, const OptTensor& weight, double eps, double weight_offset,
+            at::ScalarType dtype, const OptTensor& scale, const OptTensor& scale_ub) {
+           DeviceScope scope(x);
+           return rms_norm_quant(scope.ctx, x, weight, eps, weight_offset, dtype, scale, scale_ub);
+         });
+  m.impl("rms_norm_quant.out",
+         [](const at::Tensor& x, const OptTensor& weight, double eps, double weight_offset,
+            const OptTensor& scale, const OptTensor& scale_ub, at::Tensor& out,
+            const OptTensor& row_scales) {
+           DeviceScope scope(x);
+           rms_norm_quant_out(scope.ctx, x, weight, eps, weight_offset, scale, scale_ub, out,
+                              row_scales);
+         });
+  m.impl("fused_add_rms_norm_quant",
+         [](const at::Tensor& x, at::Tensor& residual, const OptTensor& weight, double eps,
+            double weight_offset, at::ScalarType dtype, const OptTensor& scale,
+            const OptTensor& scale_ub) {
+           DeviceScope scope(x);
+           return fused_add_rms_norm_quant(scope.ctx, x, residual, weight, eps, weight_offset,
+                                           dtype, scale, scale_ub);
+         });
+  m.impl("fused_add_rms_norm_quant.out",
+         [](const at::Tensor& x, at::Tensor& residual, const OptTensor& weight, double eps,
+            double weight_offset, const OptTensor& scale, const OptTensor& scale_ub,
+            at::Tensor& out, const OptTensor& row_scales) {
+           DeviceScope scope(x);
+           fused_add_rms_norm_quant_out(scope.ctx, x, residual, weight, eps, weight_offset, scale,
+                                        scale_ub, out, row_scales);
          });
   m.impl("layer_norm.out", [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
                               double eps, at::Tensor& out) {

@@ -27,6 +27,20 @@ DType to_dtype(const char* op, const char* argument, const at::Tensor& t) {
            " is not supported (expected float32, float16 or bfloat16)");
 }
 
+DType to_quant_dtype(const char* op, const char* argument, at::ScalarType t) {
+  switch (t) {
+    case at::kChar:
+      return DType::kInt8;
+    case at::kFloat8_e4m3fn:
+      return DType::kFloat8E4M3;
+    default:
+      break;
+  }
+  fail(op, argument,
+       std::string("dtype ") + c10::toString(t) +
+           " is not supported (expected torch.int8 or torch.float8_e4m3fn)");
+}
+
 ConstMatrix RowView::const_matrix() const {
   return {tensor.data_ptr(), dtype, rows, cols, row_stride};
 }
@@ -44,11 +58,13 @@ void check_shape(const char* op, const char* argument, const at::Tensor& t) {
 
 }  // namespace
 
-std::optional<RowView> rows_without_copy(const char* op, const char* argument,
-                                         const at::Tensor& t) {
+namespace {
+
+std::optional<RowView> rows_without_copy_as(const char* op, const char* argument,
+                                            const at::Tensor& t, DType dtype) {
   check_shape(op, argument, t);
   RowView v;
-  v.dtype = to_dtype(op, argument, t);
+  v.dtype = dtype;
   v.cols = t.size(-1);
   v.rows = t.numel() / v.cols;
   v.row_stride = v.cols;
@@ -70,6 +86,14 @@ std::optional<RowView> rows_without_copy(const char* op, const char* argument,
   if (v.rows <= 1) v.row_stride = v.cols;
   if (v.row_stride < v.cols) return std::nullopt;  // broadcast (stride 0) or overlapping rows
   return v;
+}
+
+}  // namespace
+
+std::optional<RowView> rows_without_copy(const char* op, const char* argument,
+                                         const at::Tensor& t) {
+  check_shape(op, argument, t);
+  return rows_without_copy_as(op, argument, t, to_dtype(op, argument, t));
 }
 
 RowView input_rows(const char* op, const char* argument, const at::Tensor& t) {
@@ -169,6 +193,34 @@ Matrix new_rows(const at::Tensor& x, DType dtype, at::Tensor& out) {
   return {out.data_ptr(), dtype, out.numel() / cols, cols, cols};
 }
 
+namespace {
+
+OutputRows output_rows_as(const char* op, const char* argument, const at::Tensor& t,
+                          bool keep_contents, DType dtype) {
+  if (at::has_internal_overlap(t) == at::MemOverlap::Yes) {
+    fail(op, argument,
+         "has internally overlapping memory (e.g. from expand()): its elements cannot all be "
+         "written");
+  }
+  OutputRows o;
+  o.target = t;
+  if (auto v = rows_without_copy_as(op, argument, t, dtype)) {
+    o.view = *v;
+    return o;
+  }
+  o.view.tensor =
+      keep_contents ? t.contiguous()
+                    : at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  o.view.copied = true;
+  o.view.dtype = dtype;
+  o.view.cols = t.size(-1);
+  o.view.rows = t.numel() / o.view.cols;
+  o.view.row_stride = o.view.cols;
+  return o;
+}
+
+}  // namespace
+
 OutputRows output_rows(const char* op, const char* argument, const at::Tensor& t,
                        const at::Tensor& x, bool keep_contents) {
   check_matching(op, argument, t, x);
@@ -177,26 +229,14 @@ OutputRows output_rows(const char* op, const char* argument, const at::Tensor& t
          std::string("dtype ") + c10::toString(t.scalar_type()) + " does not match x's " +
              c10::toString(x.scalar_type()));
   }
-  if (at::has_internal_overlap(t) == at::MemOverlap::Yes) {
-    fail(op, argument,
-         "has internally overlapping memory (e.g. from expand()): its elements cannot all be "
-         "written");
-  }
-  OutputRows o;
-  o.target = t;
-  if (auto v = rows_without_copy(op, argument, t)) {
-    o.view = *v;
-    return o;
-  }
-  o.view.tensor =
-      keep_contents ? t.contiguous()
-                    : at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
-  o.view.copied = true;
-  o.view.dtype = to_dtype(op, argument, t);
-  o.view.cols = t.size(-1);
-  o.view.rows = t.numel() / o.view.cols;
-  o.view.row_stride = o.view.cols;
-  return o;
+  return output_rows_as(op, argument, t, keep_contents, to_dtype(op, argument, t));
+}
+
+OutputRows quantized_output_rows(const char* op, const char* argument, const at::Tensor& t,
+                                 const at::Tensor& x) {
+  check_matching(op, argument, t, x);
+  return output_rows_as(op, argument, t, /*keep_contents=*/false,
+                        to_quant_dtype(op, argument, t.scalar_type()));
 }
 
 void OutputRows::finish() const {

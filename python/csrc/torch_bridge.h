@@ -29,6 +29,8 @@ void call_core(F&& f) {
 }
 
 DType to_dtype(const char* op, const char* argument, const at::Tensor& t);
+// The quantized outputs' dtypes: torch.int8 -> kInt8, torch.float8_e4m3fn -> kFloat8E4M3.
+DType to_quant_dtype(const char* op, const char* argument, at::ScalarType t);
 
 // A [..., D] tensor seen as rows x D. `tensor` is the input itself when its last dimension
 // is contiguous and its leading dimensions collapse to one row stride (any slice, any
@@ -98,6 +100,11 @@ struct OutputRows {
 };
 OutputRows output_rows(const char* op, const char* argument, const at::Tensor& t,
                        const at::Tensor& x, bool keep_contents);
+
+// The quantized output q of rms_norm_quant: as output_rows, but its dtype is int8 or FP8
+// E4M3 (not x's) and it is write-only.
+OutputRows quantized_output_rows(const char* op, const char* argument, const at::Tensor& t,
+                                 const at::Tensor& x);
 
 // Per-row fp32 statistics written into the caller's tensor: fp32, shape x.shape[:-1],
 // contiguous, on x's device.

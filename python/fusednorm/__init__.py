@@ -28,6 +28,16 @@ Each forward operator has an ``.out`` overload writing into the caller's tensors
 (``rms_norm.out(x, weight, eps, weight_offset, *, out)``, ``rms_norm_fwd.out(..., *, y,
 rstd)``, ``fused_add_rms_norm.out(..., *, out)``, ``layer_norm.out(..., *, out)``,
 ``layer_norm_fwd.out(..., *, y, mean, rstd)``); the functions take it as ``out=``.
+
+Quantized RMSNorm (inference; python/README.md "Quantized RMSNorm")::
+
+    rms_norm_quant(Tensor x, Tensor? weight, float eps, float weight_offset, *,
+                   ScalarType dtype, Tensor? scale=None, Tensor? scale_ub=None)
+                   -> (Tensor q, Tensor scale)
+    fused_add_rms_norm_quant(Tensor x, Tensor(a!) residual, ...same...) -> (Tensor q, Tensor scale)
+
+and their ``.out`` overloads (``*, out, row_scales``). ``fusednorm.quant`` is the W8A8 path
+(INT8 GEMM by oneDNN) built on them; ``patch_hf_w8a8`` turns it on for a Llama-class model.
 """
 
 from __future__ import annotations
@@ -72,9 +82,16 @@ if not _operators_registered():
     torch.ops.load_library(library_path())
 
 from . import _meta  # noqa: E402,F401  (fake kernels; autograd is registered in C++)
-from .functional import fused_add_rms_norm, layer_norm, rms_norm  # noqa: E402
+from .functional import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_quant,
+    layer_norm,
+    rms_norm,
+    rms_norm_quant,
+)
 from .hf import patch_hf  # noqa: E402
 from .modules import FusedAddRMSNorm, LayerNorm, RMSNorm  # noqa: E402
+from .quant import patch_hf_w8a8  # noqa: E402
 
 
 def has_cuda() -> bool:
@@ -87,9 +104,12 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_quant",
     "has_cuda",
     "layer_norm",
     "library_path",
     "patch_hf",
+    "patch_hf_w8a8",
     "rms_norm",
+    "rms_norm_quant",
 ]

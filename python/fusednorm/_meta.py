@@ -270,6 +270,121 @@ def _layer_norm_fwd_out_fake(x, weight, bias, eps=1e-5, *, y, mean, rstd):
     _check_stats_out("layer_norm_fwd.out", "rstd", rstd, x)
 
 
+# ---- quantized RMSNorm ------------------------------------------------------------------
+# The same checks as ops.cpp's (the values of a static scale / scale_ub are checked by the
+# kernels on the CPU: a fake tensor has none).
+
+_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def _token_scales_shape(x: torch.Tensor):
+    return (*x.shape[:-1], 1)
+
+
+def _check_one_fp32(op: str, name: str, t: torch.Tensor | None, x: torch.Tensor) -> None:
+    if t is None:
+        return
+    torch._check(
+        t.dtype == torch.float32,
+        lambda: f"fusednorm::{op}: argument '{name}': dtype must be float32, got {t.dtype}",
+    )
+    torch._check(
+        t.numel() == 1,
+        lambda: f"fusednorm::{op}: argument '{name}': must have exactly one element, got "
+        f"{t.numel()}",
+    )
+    torch._check(
+        t.device == x.device,
+        lambda: f"fusednorm::{op}: argument '{name}': is on {t.device} but x is on {x.device}",
+    )
+
+
+def _check_quant(op, x, residual, weight, dtype, scale, scale_ub):
+    _check_x(op, x)
+    if residual is not None:
+        _check_like_x(op, "residual", residual, x)
+    _check_vector(op, "weight", weight, x)
+    torch._check(
+        dtype in _QUANT_DTYPES,
+        lambda: f"fusednorm::{op}: argument 'dtype': dtype {dtype} is not supported "
+        "(expected torch.int8 or torch.float8_e4m3fn)",
+    )
+    _check_one_fp32(op, "scale", scale, x)
+    _check_one_fp32(op, "scale_ub", scale_ub, x)
+    torch._check(
+        scale is None or scale_ub is None,
+        lambda: f"fusednorm::{op}: argument 'scale_ub': bounds the dynamic per-token scale; "
+        "it cannot be given with a static scale",
+    )
+
+
+def _quant_fake(op, x, residual, weight, dtype, scale, scale_ub):
+    _check_quant(op, x, residual, weight, dtype, scale, scale_ub)
+    q = x.new_empty(x.shape, dtype=dtype)
+    shape = (0,) if scale is not None else _token_scales_shape(x)
+    return q, x.new_empty(shape, dtype=torch.float32)
+
+
+def _quant_out_fake(op, x, residual, weight, scale, scale_ub, out, row_scales):
+    _check_quant(op, x, residual, weight, out.dtype, scale, scale_ub)
+    torch._check(
+        out.shape == x.shape and out.device == x.device,
+        lambda: f"fusednorm::{op}: argument 'out': {tuple(out.shape)} on {out.device} does "
+        f"not match x's {tuple(x.shape)} on {x.device}",
+    )
+    if scale is not None:
+        torch._check(
+            row_scales is None,
+            lambda: f"fusednorm::{op}: argument 'row_scales': is written only in dynamic mode "
+            "(scale=None); a static scale is given",
+        )
+        return
+    torch._check(
+        row_scales is not None,
+        lambda: f"fusednorm::{op}: argument 'row_scales': is required in dynamic mode "
+        "(scale=None)",
+    )
+    torch._check(
+        row_scales.dtype == torch.float32
+        and tuple(row_scales.shape) == _token_scales_shape(x)
+        and row_scales.device == x.device,
+        lambda: f"fusednorm::{op}: argument 'row_scales': {row_scales.dtype} "
+        f"{list(row_scales.shape)} on {row_scales.device} must be float32 "
+        f"{list(_token_scales_shape(x))} on {x.device}",
+    )
+
+
+@register_fake("fusednorm::rms_norm_quant")
+def _rms_norm_quant_fake(
+    x, weight, eps=1e-6, weight_offset=0.0, *, dtype, scale=None, scale_ub=None
+):
+    return _quant_fake("rms_norm_quant", x, None, weight, dtype, scale, scale_ub)
+
+
+@register_fake("fusednorm::rms_norm_quant.out")
+def _rms_norm_quant_out_fake(
+    x, weight, eps=1e-6, weight_offset=0.0, *, scale=None, scale_ub=None, out, row_scales=None
+):
+    _quant_out_fake("rms_norm_quant.out", x, None, weight, scale, scale_ub, out, row_scales)
+
+
+@register_fake("fusednorm::fused_add_rms_norm_quant")
+def _fused_add_rms_norm_quant_fake(
+    x, residual, weight, eps=1e-6, weight_offset=0.0, *, dtype, scale=None, scale_ub=None
+):
+    return _quant_fake("fused_add_rms_norm_quant", x, residual, weight, dtype, scale, scale_ub)
+
+
+@register_fake("fusednorm::fused_add_rms_norm_quant.out")
+def _fused_add_rms_norm_quant_out_fake(
+    x, residual, weight, eps=1e-6, weight_offset=0.0, *, scale=None, scale_ub=None, out,
+    row_scales=None,
+):
+    _quant_out_fake(
+        "fused_add_rms_norm_quant.out", x, residual, weight, scale, scale_ub, out, row_scales
+    )
+
+
 # ---- autograd of the functional fused add ---------------------------------------------
 # Registered from Python (one Python kernel per call of this training-only operator); the
 # other operators' autograd is in C++ (csrc/autograd.cpp).

@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "layer_norm"]
+__all__ = [
+    "rms_norm",
+    "fused_add_rms_norm",
+    "layer_norm",
+    "rms_norm_quant",
+    "fused_add_rms_norm_quant",
+]
 
 # The operator overloads, looked up once: these functions are on the per-call path of
 # decode-sized calls, where each attribute lookup and Python frame shows (measured, see
@@ -38,6 +44,10 @@ _layer_norm_out = torch.ops.fusednorm.layer_norm.out
 
 
 _fused_add_rms_norm_fwd = torch.ops.fusednorm.fused_add_rms_norm_fwd.default
+_rms_norm_quant = torch.ops.fusednorm.rms_norm_quant.default
+_rms_norm_quant_out = torch.ops.fusednorm.rms_norm_quant.out
+_fused_add_rms_norm_quant = torch.ops.fusednorm.fused_add_rms_norm_quant.default
+_fused_add_rms_norm_quant_out = torch.ops.fusednorm.fused_add_rms_norm_quant.out
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -158,3 +168,105 @@ def layer_norm(
         return _layer_norm(x, weight, bias, eps)
     _layer_norm_out(x, weight, bias, eps, out=out)
     return out
+
+
+# ---- quantized RMSNorm ------------------------------------------------------------------
+
+
+def _quant_out_args(op: str, scale, out):
+    """(q, row_scales) for the .out overload from ``out=``: a q tensor (static mode) or a
+    ``(q, scale)`` pair (dynamic mode; scale None in static mode)."""
+    if isinstance(out, torch.Tensor):
+        q_out, scale_out = out, None
+    else:
+        q_out, scale_out = out
+    if scale is None and scale_out is None:
+        raise TypeError(
+            f"fusednorm.{op}: dynamic mode (scale=None) with out= needs out=(q, scale): the "
+            "per-token scales are an output too"
+        )
+    return q_out, scale_out
+
+
+def rms_norm_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    dtype: torch.dtype = torch.int8,
+    scale: torch.Tensor | None = None,
+    scale_ub: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+    out=None,
+):
+    """RMSNorm quantized in the same pass: ``(q, scale)`` with ``q.float() * scale ~=
+    rms_norm(x, weight, eps, weight_offset)``. Inference only (no gradient).
+
+    ``y`` is rms_norm's fp32 value (never rounded to x's dtype), and
+    ``q = saturate(round_half_even(y * (1 / scale)))`` (the reciprocal is one fp32 division
+    per row, then a multiplication per element, on every backend) in ``dtype``:
+
+    * ``torch.int8``: saturated to [-128, 127]; NaN -> 0;
+    * ``torch.float8_e4m3fn``: round to nearest even, saturated to +-448; NaN stays NaN.
+
+    ``scale``: a one-element fp32 tensor on x's device: static quantization, returned as
+    given. Its value must be finite and > 0: checked on the CPU; on CUDA it is not (reading
+    it would synchronize with the device, and a CUDA graph replays it with new values).
+    ``scale=None``: dynamic per token: ``scale[r] = max(amax_r / qmax, min_scale)``, fp32 of
+    shape ``x.shape[:-1] + (1,)``, with amax_r the largest |y| of the row over its non-NaN
+    values (qmax 127 or 448; min_scale FLT_EPSILON or 1 / (448 * 512), vLLM's floors: an
+    all-zero row gets min_scale and q = 0). ``scale_ub`` (one-element fp32, dynamic mode
+    only) bounds amax_r first, as vLLM's scale_ub does.
+
+    ``out``: write q into the caller's tensor (int8 / float8_e4m3fn, x's shape; any row
+    layout): ``out=q`` with a static scale, ``out=(q, scale)`` in dynamic mode (scale fp32
+    ``x.shape[:-1] + (1,)``, contiguous); returns ``(q, scale)`` as without out.
+    """
+    if out is None:
+        q, row_scales = _rms_norm_quant(
+            x, weight, eps, weight_offset, dtype=dtype, scale=scale, scale_ub=scale_ub
+        )
+        return q, (row_scales if scale is None else scale)
+    q_out, scale_out = _quant_out_args("rms_norm_quant", scale, out)
+    if q_out.dtype != dtype:
+        raise TypeError(
+            f"fusednorm.rms_norm_quant: out's dtype {q_out.dtype} is not dtype={dtype}"
+        )
+    _rms_norm_quant_out(
+        x, weight, eps, weight_offset, scale=scale, scale_ub=scale_ub, out=q_out,
+        row_scales=scale_out,
+    )
+    return q_out, (scale_out if scale is None else scale)
+
+
+def fused_add_rms_norm_quant(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    dtype: torch.dtype = torch.int8,
+    scale: torch.Tensor | None = None,
+    scale_ub: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+    out=None,
+):
+    """``residual += x`` in place (rounded to residual's dtype, as fused_add_rms_norm), then
+    ``rms_norm_quant(residual, ...)``, in one pass over memory; returns ``(q, scale)``.
+    Arguments as rms_norm_quant's; residual has x's shape and dtype and must not overlap
+    it. Inference only."""
+    if out is None:
+        q, row_scales = _fused_add_rms_norm_quant(
+            x, residual, weight, eps, weight_offset, dtype=dtype, scale=scale, scale_ub=scale_ub
+        )
+        return q, (row_scales if scale is None else scale)
+    q_out, scale_out = _quant_out_args("fused_add_rms_norm_quant", scale, out)
+    if q_out.dtype != dtype:
+        raise TypeError(
+            f"fusednorm.fused_add_rms_norm_quant: out's dtype {q_out.dtype} is not dtype={dtype}"
+        )
+    _fused_add_rms_norm_quant_out(
+        x, residual, weight, eps, weight_offset, scale=scale, scale_ub=scale_ub, out=q_out,
+        row_scales=scale_out,
+    )
+    return q_out, (scale_out if scale is None else scale)
