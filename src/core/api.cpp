@@ -78,10 +78,16 @@ void run(const char* op, const Context& ctx, const ForwardProblem& problem) {
   check_context(op, ctx);
   detail::validate(op, problem);
   if (ctx.device == Device::kCpu) {
+    if (problem.is_quantized()) detail::validate_host_scales(op, problem);
     cpu::forward(problem, ctx.num_threads);
     return;
   }
 #ifdef FUSEDNORM_WITH_CUDA
+  // Until the CUDA backend has the quantized kernels (issue 9, branch quant-cuda, which
+  // removes this check).
+  if (problem.is_quantized()) {
+    detail::fail(op, "ctx.device", "the CUDA backend has no quantized kernels yet");
+  }
   cuda::forward(op, problem, ctx.cuda_stream);
 #endif
 }
@@ -98,6 +104,8 @@ void run(const char* op, const Context& ctx, const BackwardProblem& problem) {
 #endif
 }
 
+// One builder per problem kind: every entry point starts from one of these and sets only
+// what is particular to it (phase, sums, residual, quantized output).
 ForwardProblem rms_forward_problem(ConstMatrix x, ConstVector weight, Matrix y, float* rstd,
                                    const RmsNormOptions& options) {
   ForwardProblem p;
@@ -108,6 +116,39 @@ ForwardProblem rms_forward_problem(ConstMatrix x, ConstVector weight, Matrix y, 
   p.rstd = rstd;
   p.eps = options.eps;
   p.weight_offset = options.weight_offset;
+  return p;
+}
+
+// The fused add's residual, which the problem cannot tell from "no residual" when null.
+ForwardProblem with_residual(const char* op, ForwardProblem p, Matrix residual) {
+  if (residual.data == nullptr && p.x.rows > 0) {
+    detail::fail(op, "residual", "data is null but rows > 0");
+  }
+  p.residual = residual;
+  return p;
+}
+
+// q replaces y.
+ForwardProblem rms_quant_problem(ConstMatrix x, ConstVector weight, Matrix q, QuantScale scale,
+                                 const RmsNormOptions& options) {
+  ForwardProblem p = rms_forward_problem(x, weight, {}, nullptr, options);
+  p.quantized = true;
+  p.q = q;
+  p.quant_scale = scale;
+  return p;
+}
+
+ForwardProblem layer_forward_problem(ConstMatrix x, ConstVector weight, ConstVector bias, Matrix y,
+                                     float* mean, float* rstd, float eps) {
+  ForwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.x = x;
+  p.weight = weight;
+  p.bias = bias;
+  p.y = y;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.eps = eps;
   return p;
 }
 
@@ -130,6 +171,24 @@ BackwardProblem rms_backward_problem(ConstMatrix dy, ConstMatrix x, ConstVector 
   return p;
 }
 
+BackwardProblem layer_backward_problem(ConstMatrix dy, ConstMatrix x, ConstVector weight,
+                                       const float* mean, const float* rstd, Matrix dx, Vector dw,
+                                       Vector db, float eps, Workspace workspace) {
+  BackwardProblem p;
+  p.kind = NormKind::kLayer;
+  p.dy = dy;
+  p.x = x;
+  p.weight = weight;
+  p.mean = mean;
+  p.rstd = rstd;
+  p.dx = dx;
+  p.dw = dw;
+  p.db = db;
+  p.eps = eps;
+  p.workspace = workspace;
+  return p;
+}
+
 }  // namespace
 
 void rms_norm(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y, float* rstd,
@@ -139,12 +198,21 @@ void rms_norm(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y, f
 
 void fused_add_rms_norm(const Context& ctx, ConstMatrix x, Matrix residual, ConstVector weight,
                         Matrix y, float* rstd, const RmsNormOptions& options) {
-  if (residual.data == nullptr && x.rows > 0) {
-    detail::fail("fused_add_rms_norm", "residual", "data is null but rows > 0");
-  }
-  ForwardProblem p = rms_forward_problem(x, weight, y, rstd, options);
-  p.residual = residual;
-  run("fused_add_rms_norm", ctx, p);
+  constexpr const char* op = "fused_add_rms_norm";
+  run(op, ctx, with_residual(op, rms_forward_problem(x, weight, y, rstd, options), residual));
+}
+
+void rms_norm_quant(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix q,
+                    QuantScale scale, const RmsNormOptions& options) {
+  constexpr const char* op = "rms_norm_quant";
+  run(op, ctx, rms_quant_problem(x, weight, q, scale, options));
+}
+
+void fused_add_rms_norm_quant(const Context& ctx, ConstMatrix x, Matrix residual,
+                              ConstVector weight, Matrix q, QuantScale scale,
+                              const RmsNormOptions& options) {
+  constexpr const char* op = "fused_add_rms_norm_quant";
+  run(op, ctx, with_residual(op, rms_quant_problem(x, weight, q, scale, options), residual));
 }
 
 void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
@@ -163,14 +231,11 @@ void rms_norm_partial_sum_squares(const Context& ctx, ConstMatrix x, float* row_
 
 void fused_add_partial_sum_squares(const Context& ctx, ConstMatrix x, Matrix residual,
                                    float* row_sum_squares) {
-  if (residual.data == nullptr && x.rows > 0) {
-    detail::fail("fused_add_partial_sum_squares", "residual", "data is null but rows > 0");
-  }
-  ForwardProblem p = rms_forward_problem(x, {}, {}, nullptr, {});
-  p.residual = residual;
+  constexpr const char* op = "fused_add_partial_sum_squares";
+  ForwardProblem p = with_residual(op, rms_forward_problem(x, {}, {}, nullptr, {}), residual);
   p.phase = detail::Phase::kPartialSums;
   p.partial_sums = row_sum_squares;
-  run("fused_add_partial_sum_squares", ctx, p);
+  run(op, ctx, p);
 }
 
 void rms_norm_from_sum_squares(const Context& ctx, ConstMatrix x, ConstVector weight, Matrix y,
@@ -207,22 +272,11 @@ void rms_norm_backward_from_sums(const Context& ctx, ConstMatrix dy, ConstMatrix
 
 void layer_norm(const Context& ctx, ConstMatrix x, ConstVector weight, ConstVector bias, Matrix y,
                 float* mean, float* rstd, const LayerNormOptions& options) {
-  ForwardProblem p;
-  p.kind = NormKind::kLayer;
-  p.x = x;
-  p.weight = weight;
-  p.bias = bias;
-  p.y = y;
-  p.mean = mean;
-  p.rstd = rstd;
-  p.eps = options.eps;
-  run("layer_norm", ctx, p);
+  run("layer_norm", ctx, layer_forward_problem(x, weight, bias, y, mean, rstd, options.eps));
 }
 
 void layer_norm_partial_sums(const Context& ctx, ConstMatrix x, float* row_sum) {
-  ForwardProblem p;
-  p.kind = NormKind::kLayer;
-  p.x = x;
+  ForwardProblem p = layer_forward_problem(x, {}, {}, {}, nullptr, nullptr, 0.0f);
   p.phase = detail::Phase::kPartialSums;
   p.partial_sums = row_sum;
   run("layer_norm_partial_sums", ctx, p);
@@ -231,9 +285,7 @@ void layer_norm_partial_sums(const Context& ctx, ConstMatrix x, float* row_sum) 
 void layer_norm_partial_squared_deviations(const Context& ctx, ConstMatrix x, const float* row_sum,
                                            std::int64_t full_cols,
                                            float* row_sum_squared_deviations) {
-  ForwardProblem p;
-  p.kind = NormKind::kLayer;
-  p.x = x;
+  ForwardProblem p = layer_forward_problem(x, {}, {}, {}, nullptr, nullptr, 0.0f);
   p.phase = detail::Phase::kPartialDeviations;
   p.row_sum = row_sum;
   p.full_cols = full_cols;
@@ -245,15 +297,7 @@ void layer_norm_from_sums(const Context& ctx, ConstMatrix x, ConstVector weight,
                           Matrix y, const float* row_sum, const float* row_sum_squared_deviations,
                           std::int64_t full_cols, float* mean, float* rstd,
                           const LayerNormOptions& options) {
-  ForwardProblem p;
-  p.kind = NormKind::kLayer;
-  p.x = x;
-  p.weight = weight;
-  p.bias = bias;
-  p.y = y;
-  p.mean = mean;
-  p.rstd = rstd;
-  p.eps = options.eps;
+  ForwardProblem p = layer_forward_problem(x, weight, bias, y, mean, rstd, options.eps);
   p.phase = detail::Phase::kFromSums;
   p.row_sum = row_sum;
   p.row_sum_squared_deviations = row_sum_squared_deviations;
@@ -264,14 +308,9 @@ void layer_norm_from_sums(const Context& ctx, ConstMatrix x, ConstVector weight,
 void layer_norm_backward_partial_sums(const Context& ctx, ConstMatrix dy, ConstMatrix x,
                                       ConstVector weight, const float* mean, const float* rstd,
                                       float* row_sum_g, float* row_sum_g_xhat) {
-  BackwardProblem p;
-  p.kind = NormKind::kLayer;
-  p.dy = dy;
-  p.x = x;
-  p.weight = weight;
-  p.mean = mean;
-  p.rstd = rstd;
-  p.eps = LayerNormOptions{}.eps;  // unused: the statistics are given
+  // eps is unused: the statistics are given.
+  BackwardProblem p =
+      layer_backward_problem(dy, x, weight, mean, rstd, {}, {}, {}, LayerNormOptions{}.eps, {});
   p.phase = detail::Phase::kPartialSums;
   p.partial_sum_g = row_sum_g;
   p.partial_sum_g_xhat = row_sum_g_xhat;
@@ -283,18 +322,8 @@ void layer_norm_backward_from_sums(const Context& ctx, ConstMatrix dy, ConstMatr
                                    const float* row_sum_g, const float* row_sum_g_xhat,
                                    std::int64_t full_cols, Matrix dx, Vector dw, Vector db,
                                    const LayerNormOptions& options, Workspace workspace) {
-  BackwardProblem p;
-  p.kind = NormKind::kLayer;
-  p.dy = dy;
-  p.x = x;
-  p.weight = weight;
-  p.mean = mean;
-  p.rstd = rstd;
-  p.dx = dx;
-  p.dw = dw;
-  p.db = db;
-  p.eps = options.eps;
-  p.workspace = workspace;
+  BackwardProblem p =
+      layer_backward_problem(dy, x, weight, mean, rstd, dx, dw, db, options.eps, workspace);
   p.phase = detail::Phase::kFromSums;
   p.row_sum_g = row_sum_g;
   p.row_sum_g_xhat = row_sum_g_xhat;
@@ -305,19 +334,8 @@ void layer_norm_backward_from_sums(const Context& ctx, ConstMatrix dy, ConstMatr
 void layer_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstVector weight,
                          const float* mean, const float* rstd, Matrix dx, Vector dw, Vector db,
                          const LayerNormOptions& options, Workspace workspace) {
-  BackwardProblem p;
-  p.kind = NormKind::kLayer;
-  p.dy = dy;
-  p.x = x;
-  p.weight = weight;
-  p.mean = mean;
-  p.rstd = rstd;
-  p.dx = dx;
-  p.dw = dw;
-  p.db = db;
-  p.eps = options.eps;
-  p.workspace = workspace;
-  run("layer_norm_backward", ctx, p);
+  run("layer_norm_backward", ctx,
+      layer_backward_problem(dy, x, weight, mean, rstd, dx, dw, db, options.eps, workspace));
 }
 
 std::size_t backward_workspace_bytes(const Context& ctx, std::int64_t rows, std::int64_t cols) {

@@ -37,12 +37,14 @@ struct ForwardProblem {
   const float* row_sum_squared_deviations = nullptr;
   std::int64_t full_cols = 0;
   // Quantized operators (RMSNorm only): q (kInt8 or kFloat8E4M3) replaces y, which is then
-  // absent; quant_scale as fusednorm.h's QuantScale.
+  // absent; quant_scale as fusednorm.h's QuantScale. `quantized` says which operator this
+  // is (q.data may be null when there are no rows).
+  bool quantized = false;
   Matrix q;
   QuantScale quant_scale;
 
   bool has_residual() const { return residual.data != nullptr; }
-  bool is_quantized() const { return q.data != nullptr; }
+  bool is_quantized() const { return quantized; }
   std::int64_t rows() const { return x.rows; }
   std::int64_t cols() const { return x.cols; }
 };
@@ -79,6 +81,9 @@ struct BackwardProblem {
 // Throw fusednorm::Error naming `op` and the offending argument if the problem is invalid.
 void validate(const char* op, const ForwardProblem& problem);
 void validate(const char* op, const BackwardProblem& problem);
+// The quantized operators' static scale and scale upper bound must be finite and > 0: checked
+// where their values can be read without a synchronisation (host memory: the CPU backend).
+void validate_host_scales(const char* op, const ForwardProblem& problem);
 
 [[noreturn]] void fail(const char* op, const char* argument, const std::string& message);
 

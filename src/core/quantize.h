@@ -19,6 +19,20 @@ constexpr float kFloat8E4M3Max = 448.0f;
 constexpr float kInt8MinScale = FLT_EPSILON;
 constexpr float kFloat8E4M3MinScale = 1.0f / (448.0f * 512.0f);
 
+inline float quant_max(DType q_dtype) {
+  return q_dtype == DType::kFloat8E4M3 ? kFloat8E4M3Max : kInt8Max;
+}
+inline float quant_min_scale(DType q_dtype) {
+  return q_dtype == DType::kFloat8E4M3 ? kFloat8E4M3MinScale : kInt8MinScale;
+}
+
+// A row's dynamic per-token scale from the max |y| of its non-NaN values (fusednorm.h):
+// bounded by *upper_bound when given, divided by qmax, floored at min_scale; fp32 throughout.
+inline float dynamic_quant_scale(float amax, const float* upper_bound, DType q_dtype) {
+  if (upper_bound != nullptr) amax = std::fmin(amax, *upper_bound);
+  return std::fmax(amax / quant_max(q_dtype), quant_min_scale(q_dtype));
+}
+
 // Round to nearest even and saturate to [-128, 127]; NaN -> 0 (what CUDA's
 // cvt.rni.sat.s8.f32 does).
 inline std::int8_t float_to_int8_saturate(float v) {

@@ -41,9 +41,22 @@ ByteRange float_range(const float* data, std::int64_t rows) {
   return byte_range(data, DType::kFloat32, rows, 1, 1);
 }
 
-// Checks shared by every matrix argument: dtype, shape, stride, null data, index overflow.
-void check_matrix(const char* op, const char* name, const ConstMatrix& m) {
-  if (!valid_dtype(m.dtype)) fail(op, name, "unsupported dtype");
+bool quantized_dtype(DType dtype) { return dtype == DType::kInt8 || dtype == DType::kFloat8E4M3; }
+
+void check_dtype(const char* op, const char* name, DType dtype) {
+  if (quantized_dtype(dtype)) {
+    fail(op, name,
+         std::string("dtype ") + dtype_name(dtype) +
+             " is an output dtype of the quantized operators only (inputs: float32, float16, "
+             "bfloat16)");
+  }
+  if (!valid_dtype(dtype)) {
+    fail(op, name, "unsupported dtype value " + std::to_string(static_cast<int>(dtype)));
+  }
+}
+
+// Checks shared by every matrix argument: shape, stride, null data, index overflow.
+void check_view(const char* op, const char* name, const ConstMatrix& m) {
   if (m.rows < 0) fail(op, name, "rows must be >= 0, got " + std::to_string(m.rows));
   if (m.cols <= 0) fail(op, name, "D (cols) must be >= 1, got " + std::to_string(m.cols));
   if (m.row_stride < m.cols) {
@@ -60,6 +73,12 @@ void check_matrix(const char* op, const char* name, const ConstMatrix& m) {
       (m.rows > 0 && (m.rows - 1) > (max_elements - m.cols) / m.row_stride)) {
     fail(op, name, "view spans more elements than 64-bit indexing allows");
   }
+}
+
+// Every matrix argument of the unquantized operators and every input matrix.
+void check_matrix(const char* op, const char* name, const ConstMatrix& m) {
+  check_dtype(op, name, m.dtype);
+  check_view(op, name, m);
 }
 
 void check_same_shape(const char* op, const char* name, const ConstMatrix& m,
@@ -83,7 +102,7 @@ void check_vector(const char* op, const char* name, const ConstVector& v, const 
     if (v.size != 0) fail(op, name, "data is null but size is " + std::to_string(v.size));
     return;
   }
-  if (!valid_dtype(v.dtype)) fail(op, name, "unsupported dtype");
+  check_dtype(op, name, v.dtype);
   if (v.dtype != x.dtype && v.dtype != DType::kFloat32) {
     fail(op, name,
          std::string("dtype ") + dtype_name(v.dtype) + " must be x's dtype (" +
@@ -149,9 +168,82 @@ void validate_partial_sums(const char* op, const ForwardProblem& p) {
   }
 }
 
+// The quantized operators: x (and residual) in, residual (updated in place), q and the row
+// scales out; static scale and upper bound in.
+void validate_quantized(const char* op, const ForwardProblem& p) {
+  check_matrix(op, "x", p.x);
+  if (p.has_residual()) check_same_shape(op, "residual", p.residual, p.x);
+  if (!quantized_dtype(p.q.dtype)) {
+    const bool known = valid_dtype(p.q.dtype);
+    fail(op, "q",
+         std::string("dtype ") +
+             (known ? dtype_name(p.q.dtype) : std::to_string(static_cast<int>(p.q.dtype))) +
+             " is not a quantized dtype (int8 or float8_e4m3fn)");
+  }
+  check_view(op, "q", p.q);
+  if (p.q.rows != p.x.rows || p.q.cols != p.x.cols) {
+    fail(op, "q",
+         "shape " + std::to_string(p.q.rows) + " x " + std::to_string(p.q.cols) +
+             " does not match x's " + std::to_string(p.x.rows) + " x " + std::to_string(p.x.cols));
+  }
+  check_vector(op, "weight", p.weight, p.x);
+  check_eps(op, p.eps);
+  if (!std::isfinite(p.weight_offset)) fail(op, "weight_offset", "must be finite");
+
+  const QuantScale& s = p.quant_scale;
+  if (s.static_scale == nullptr && s.row_scales == nullptr) {
+    fail(op, "scale",
+         "neither static_scale nor row_scales is given (exactly one: a static scale, or "
+         "row_scales for dynamic per-token scales)");
+  }
+  if (s.static_scale != nullptr && s.row_scales != nullptr) {
+    fail(op, "scale",
+         "both static_scale and row_scales are given (exactly one: a static scale, or "
+         "row_scales for dynamic per-token scales)");
+  }
+  if (s.scale_upper_bound != nullptr && s.static_scale != nullptr) {
+    fail(op, "scale.scale_upper_bound", "is only for dynamic scales (row_scales), not static");
+  }
+
+  const ByteRange x = byte_range(p.x);
+  const ByteRange residual = byte_range(p.residual);
+  const ByteRange q = byte_range(p.q);
+  const ByteRange weight = byte_range(p.weight);
+  const ByteRange static_scale = float_range(s.static_scale, 1);
+  const ByteRange upper_bound = float_range(s.scale_upper_bound, 1);
+  const ByteRange row_scales = float_range(s.row_scales, p.rows());
+  const std::pair<const char*, ByteRange> inputs[] = {{"x", x},
+                                                      {"weight", weight},
+                                                      {"scale.static_scale", static_scale},
+                                                      {"scale.scale_upper_bound", upper_bound}};
+  const std::pair<const char*, ByteRange> outputs[] = {
+      {"residual", residual}, {"q", q}, {"scale.row_scales", row_scales}};
+  for (const auto& [out_name, out] : outputs) {
+    for (const auto& [in_name, in] : inputs) check_no_overlap(op, out_name, out, in_name, in);
+  }
+  check_no_overlap(op, "q", q, "residual", residual);
+  check_no_overlap(op, "scale.row_scales", row_scales, "residual", residual);
+  check_no_overlap(op, "scale.row_scales", row_scales, "q", q);
+}
+
 }  // namespace
 
+void validate_host_scales(const char* op, const ForwardProblem& p) {
+  const std::pair<const char*, const float*> scalars[] = {
+      {"scale.static_scale", p.quant_scale.static_scale},
+      {"scale.scale_upper_bound", p.quant_scale.scale_upper_bound}};
+  for (const auto& [name, value] : scalars) {
+    if (value != nullptr && !(std::isfinite(*value) && *value > 0.0f)) {
+      fail(op, name, "must be finite and > 0, got " + std::to_string(*value));
+    }
+  }
+}
+
 void validate(const char* op, const ForwardProblem& p) {
+  if (p.is_quantized()) {
+    validate_quantized(op, p);
+    return;
+  }
   if (p.phase == Phase::kPartialSums || p.phase == Phase::kPartialDeviations) {
     validate_partial_sums(op, p);
     return;

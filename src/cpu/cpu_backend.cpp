@@ -11,7 +11,9 @@
 #include <memory>
 #include <vector>
 
+#include "core/quantize.h"
 #include "core/scalar_convert.h"
+#include "cpu/quant_kernels.h"
 #include "cpu/row_kernels.h"
 
 namespace fusednorm::cpu {
@@ -373,6 +375,56 @@ std::size_t forward_bytes(const ForwardProblem& p) {
   return streams * static_cast<std::size_t>(p.rows() * p.cols()) * dtype_size(p.x.dtype);
 }
 
+// ---- Quantized RMSNorm --------------------------------------------------------------------
+
+// One row at a time, whole rows per thread (so any thread count gives the same bits): the
+// sum of squares (and the fused add's residual update) by row_kernels' kernels in
+// chunked_sum's order, so rstd is rms_norm's; then, dynamic mode, a pass for the row's amax
+// of y; then a pass that recomputes y and quantizes it. Only the first pass reads the row
+// from memory when it stays in L1 / L2 between the passes (bf16 D = 8192: 16 KiB); a row
+// too long for L2 is read from L3 / memory again by each pass (2 or 3 reads). Recomputing
+// y from x instead of staging the fp32 y (4 bytes per element) keeps the passes' working
+// set at the row itself.
+void forward_quantized(const ForwardProblem& p, int num_threads) {
+  const DType dtype = p.x.dtype;
+  const std::size_t esize = dtype_size(dtype);
+  const DTypeKernels& k = row_kernels().by_dtype[static_cast<int>(dtype)];
+  const QuantKernels& qk = quant_kernels();
+  const ParamType weight_type = param_type(p.weight);
+  const RowAmaxFn row_amax = qk.row_amax[static_cast<int>(dtype)][weight_type];
+  const QuantizeRowFn quantize_row =
+      qk.quantize_row[static_cast<int>(dtype)][weight_type][quant_index(p.q.dtype)];
+  const float w_offset = kernel_weight_offset(p.weight_offset);
+  const QuantScale& scale = p.quant_scale;
+  const bool dynamic = scale.static_scale == nullptr;
+  const float static_inv_scale = dynamic ? 0.0f : 1.0f / *scale.static_scale;
+  const auto elements = static_cast<std::size_t>(p.rows() * p.cols());
+  const std::size_t bytes = elements * (esize * (p.has_residual() ? 3 : 1) + 1);
+  const ThreadPlan plan = plan_threads(p.rows(), p.cols(), bytes, num_threads);
+  parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
+    const void* x = advance(p.x.data, r * p.x.row_stride, esize);
+    void* residual =
+        p.has_residual() ? advance(p.residual.data, r * p.residual.row_stride, esize) : nullptr;
+    const float sum_squares = chunked_sum(p.cols(), [&](std::int64_t begin, std::int64_t n) {
+      if (residual != nullptr) {
+        return k.add_residual(advance(x, begin, esize), advance(residual, begin, esize), n);
+      }
+      return k.sum_squares[0](advance(x, begin, esize), n, 0.0f);
+    });
+    const float rstd = rstd_from_mean_square(sum_squares / static_cast<float>(p.cols()), p.eps);
+    const void* source = residual != nullptr ? residual : x;
+    float inv_scale = static_inv_scale;
+    if (dynamic) {
+      const float amax = row_amax(source, p.weight.data, p.cols(), rstd, w_offset);
+      const float row_scale = detail::dynamic_quant_scale(amax, scale.scale_upper_bound, p.q.dtype);
+      scale.row_scales[r] = row_scale;
+      inv_scale = 1.0f / row_scale;
+    }
+    quantize_row(source, p.weight.data, advance(p.q.data, r * p.q.row_stride, 1), p.cols(), rstd,
+                 w_offset, inv_scale);
+  });
+}
+
 // ---- Backward --------------------------------------------------------------------------
 
 // Per-row coefficients of dx.
@@ -674,6 +726,10 @@ std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
 
 void forward(const ForwardProblem& p, int num_threads) {
   if (p.rows() == 0) return;
+  if (p.is_quantized()) {
+    forward_quantized(p, num_threads);
+    return;
+  }
   const ForwardCall call(p);
   const ThreadPlan plan = plan_threads(p.rows(), p.cols(), forward_bytes(p), num_threads);
   if (p.phase == Phase::kPartialSums || p.phase == Phase::kPartialDeviations) {

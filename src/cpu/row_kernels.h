@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "fusednorm/fusednorm.h"
@@ -137,5 +138,9 @@ struct TargetKernels {
   RowKernels kernels;
 };
 std::vector<TargetKernels> kernels_for_all_supported_targets();
+
+// Guards Highway's process-global target mock (hwy::SetSupportedTargetsForTest), set while
+// a chosen target's table is built: by this file's tables and quant_kernels.h's.
+std::mutex& target_mock_mutex();
 
 }  // namespace fusednorm::cpu

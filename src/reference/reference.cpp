@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstddef>
 
+#include "core/quantize.h"
 #include "core/scalar_convert.h"
 
 namespace fusednorm::reference {
@@ -159,6 +160,40 @@ std::vector<double> row_sum_g_xhat(ConstMatrix dy, ConstMatrix x, ConstVector we
 BackwardResult layer_norm_backward(ConstMatrix dy, ConstMatrix x, ConstVector weight, bool want_db,
                                    const LayerNormOptions& options) {
   return backward(dy, x, weight, 0.0, true, want_db, options.eps);
+}
+
+QuantResult rms_norm_quant(ConstMatrix x, ConstMatrix residual, ConstVector weight, DType q_dtype,
+                           const float* static_scale, const float* scale_upper_bound,
+                           const RmsNormOptions& options) {
+  const ForwardResult norm = residual.data != nullptr
+                                 ? fused_add_rms_norm(x, residual, weight, options)
+                                 : rms_norm(x, weight, options);
+  const bool fp8 = q_dtype == DType::kFloat8E4M3;
+  const double qmax = fp8 ? detail::kFloat8E4M3Max : detail::kInt8Max;
+  const double min_scale = fp8 ? detail::kFloat8E4M3MinScale : detail::kInt8MinScale;
+  QuantResult out;
+  out.y = norm.y;
+  out.residual = norm.residual;
+  out.scale.resize(static_cast<std::size_t>(x.rows));
+  out.q_exact.resize(out.y.size());
+  for (std::int64_t r = 0; r < x.rows; ++r) {
+    double scale;
+    if (static_scale != nullptr) {
+      scale = *static_scale;
+    } else {
+      double amax = 0.0;  // over the non-NaN values (fmax ignores a NaN operand)
+      for (std::int64_t j = 0; j < x.cols; ++j) {
+        amax = std::fmax(amax, std::fabs(out.y[index(r, x.cols, j)]));
+      }
+      if (scale_upper_bound != nullptr) amax = std::min(amax, double{*scale_upper_bound});
+      scale = std::max(amax / qmax, min_scale);
+    }
+    out.scale[static_cast<std::size_t>(r)] = scale;
+    for (std::int64_t j = 0; j < x.cols; ++j) {
+      out.q_exact[index(r, x.cols, j)] = out.y[index(r, x.cols, j)] / scale;
+    }
+  }
+  return out;
 }
 
 }  // namespace fusednorm::reference

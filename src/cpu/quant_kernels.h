@@ -1,0 +1,44 @@
+// Per-row kernels of the quantized RMSNorm (fusednorm.h, "Quantized RMSNorm"), written once
+// against Highway's portable vectors (quant_kernels.cc, its own translation unit so that
+// row_kernels.cc's compile time does not grow) and compiled for every SIMD target.
+//
+// A row's statistics (sum of squares, the fused add's residual update) come from
+// row_kernels.h's kernels, so y's rstd has rms_norm's bits; these kernels then compute
+// y = x * rstd [* (w + w_offset)] exactly as row_kernels' normalize does, and either reduce
+// it (amax) or quantize it. The caller (cpu_backend.cpp) owns rows, scales and threads.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu/row_kernels.h"
+
+namespace fusednorm::cpu {
+
+// max_j |y[j]| over the non-NaN y of one row (0 if none); y as above.
+using RowAmaxFn = float (*)(const void* x, const void* w, std::int64_t n, float rstd,
+                            float w_offset);
+// q[j] = quantize(y[j] * inv_scale) with quantize.h's saturating conversion, j < n.
+using QuantizeRowFn = void (*)(const void* x, const void* w, void* q, std::int64_t n, float rstd,
+                               float w_offset, float inv_scale);
+
+struct QuantKernels {
+  // [x DType][weight ParamType]; for fp32 rows kFloat32Param and kElementParam are the same.
+  RowAmaxFn row_amax[3][3];
+  QuantizeRowFn quantize_row[3][3][2];  // [..][..][0: int8, 1: float8 e4m3]
+  const char* target_name;
+};
+
+inline int quant_index(DType q_dtype) { return q_dtype == DType::kFloat8E4M3 ? 1 : 0; }
+
+// The kernels of the target row_kernels() runs (FUSEDNORM_CPU_TARGET honoured).
+const QuantKernels& quant_kernels();
+
+// Tests: the kernels of every target compiled into this binary that this CPU can run.
+struct TargetQuantKernels {
+  const char* name;
+  QuantKernels kernels;
+};
+std::vector<TargetQuantKernels> quant_kernels_for_all_supported_targets();
+
+}  // namespace fusednorm::cpu
