@@ -22,6 +22,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <sstream>
 #include <string>
 
@@ -399,8 +400,9 @@ std::vector<std::int64_t> token_scales_shape(const at::Tensor& x) {
   return shape;
 }
 
-// A one-element fp32 tensor on x's device (static scale, scale_ub). Its value is checked by
-// the core on the CPU (finite, > 0); on CUDA reading it would synchronize, so it is not.
+// A one-element fp32 tensor on x's device (static scale, scale_ub). On the CPU its value is
+// checked here (finite, > 0), before the core's own check, so that the error names the
+// Python argument; on CUDA reading it would synchronize with the device, so it is not.
 const float* one_fp32(const char* op, const char* argument, const OptTensor& t,
                       const at::Tensor& x) {
   if (!t.has_value() || !t->defined()) return nullptr;
@@ -414,7 +416,11 @@ const float* one_fp32(const char* op, const char* argument, const OptTensor& t,
   if (t->device() != x.device()) {
     fail(op, argument, "is on " + t->device().str() + " but x is on " + x.device().str());
   }
-  return t->data_ptr<float>();
+  const float* data = t->data_ptr<float>();
+  if (t->is_cpu() && !(std::isfinite(*data) && *data > 0.0f)) {
+    fail(op, argument, "must be finite and > 0, got " + std::to_string(*data));
+  }
+  return data;
 }
 
 // The scale arguments of either mode: static (scale given: no row_scales, no scale_ub) or
@@ -427,17 +433,20 @@ QuantScale quant_scale(const char* op, const at::Tensor& x, const OptTensor& sca
   const bool has_row_scales = row_scales.has_value() && row_scales->defined();
   if (s.static_scale != nullptr) {
     if (s.scale_upper_bound != nullptr) {
-      fail(op, "scale_ub", "bounds the dynamic per-token scale; it cannot be given with a static scale");
+      fail(op, "scale_ub",
+           "bounds the dynamic per-token scale; it cannot be given with a static scale");
     }
     if (has_row_scales) {
-      fail(op, "row_scales", "is written only in dynamic mode (scale=None); a static scale is given");
+      fail(op, "row_scales",
+           "is written only in dynamic mode (scale=None); a static scale is given");
     }
     return s;
   }
   if (!has_row_scales) fail(op, "row_scales", "is required in dynamic mode (scale=None)");
   const at::Tensor& r = *row_scales;
   if (r.scalar_type() != at::kFloat) {
-    fail(op, "row_scales", std::string("dtype must be float32, got ") + c10::toString(r.scalar_type()));
+    fail(op, "row_scales",
+         std::string("dtype must be float32, got ") + c10::toString(r.scalar_type()));
   }
   const auto shape = token_scales_shape(x);
   if (r.sizes() != at::IntArrayRef(shape)) {
@@ -480,14 +489,15 @@ void run_rms_norm_quant(const char* op, const Context& ctx, const at::Tensor& x,
   const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
   const RmsNormOptions options{as_float(eps), as_float(weight_offset)};
   if (residual_in == nullptr) {
-    call_core([&] {
-      fusednorm::rms_norm_quant(ctx, xv.const_matrix(), w, qv.matrix(), qs, options);
-    });
+    call_core(
+        [&] { fusednorm::rms_norm_quant(ctx, xv.const_matrix(), w, qv.matrix(), qs, options); });
   } else {
     check_same_dtype(op, "residual", *residual, x);
     const OutputRows rv = output_rows(op, "residual", *residual, x, /*keep_contents=*/true);
     check_no_overlap(op, "residual", *residual,
-                     {{"x", &x}, {"weight", optional_input(weight)}, {"scale", optional_input(scale)},
+                     {{"x", &x},
+                      {"weight", optional_input(weight)},
+                      {"scale", optional_input(scale)},
                       {"scale_ub", optional_input(scale_ub)}});
     call_core([&] {
       fusednorm::fused_add_rms_norm_quant(ctx, xv.const_matrix(), rv.matrix(), w, qv.matrix(), qs,
@@ -505,7 +515,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quant_alloc(
     const OptTensor& weight, double eps, double weight_offset, at::ScalarType dtype,
     const OptTensor& scale, const OptTensor& scale_ub) {
   to_quant_dtype(op, "dtype", dtype);
-  input_rows(op, "x", x);  // checks x before its shape is used (no copy for any layout we read)
+  check_input(op, "x", x);  // before x's shape is used
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   const bool dynamic = !scale.has_value() || !scale->defined();
   at::Tensor row_scales = dynamic ? at::empty(token_scales_shape(x), x.options().dtype(at::kFloat))

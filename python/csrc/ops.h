@@ -170,14 +170,13 @@ void register_kernels(torch::Library& m) {
            DeviceScope scope(x);
            return rms_norm_quant(scope.ctx, x, weight, eps, weight_offset, dtype, scale, scale_ub);
          });
-  m.impl("rms_norm_quant.out",
-         [](const at::Tensor& x, const OptTensor& weight, double eps, double weight_offset,
-            const OptTensor& scale, const OptTensor& scale_ub, at::Tensor& out,
-            const OptTensor& row_scales) {
-           DeviceScope scope(x);
-           rms_norm_quant_out(scope.ctx, x, weight, eps, weight_offset, scale, scale_ub, out,
-                              row_scales);
-         });
+  m.impl("rms_norm_quant.out", [](const at::Tensor& x, const OptTensor& weight, double eps,
+                                  double weight_offset, const OptTensor& scale,
+                                  const OptTensor& scale_ub, at::Tensor& out,
+                                  const OptTensor& row_scales) {
+    DeviceScope scope(x);
+    rms_norm_quant_out(scope.ctx, x, weight, eps, weight_offset, scale, scale_ub, out, row_scales);
+  });
   m.impl("fused_add_rms_norm_quant",
          [](const at::Tensor& x, at::Tensor& residual, const OptTensor& weight, double eps,
             double weight_offset, at::ScalarType dtype, const OptTensor& scale,

@@ -96,6 +96,11 @@ std::optional<RowView> rows_without_copy(const char* op, const char* argument,
   return rows_without_copy_as(op, argument, t, to_dtype(op, argument, t));
 }
 
+void check_input(const char* op, const char* argument, const at::Tensor& t) {
+  check_shape(op, argument, t);
+  to_dtype(op, argument, t);
+}
+
 RowView input_rows(const char* op, const char* argument, const at::Tensor& t) {
   if (auto v = rows_without_copy(op, argument, t)) return *v;
   RowView v;

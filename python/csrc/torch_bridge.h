@@ -48,6 +48,8 @@ struct RowView {
   Matrix matrix() const;
 };
 
+// Checks x (floating dtype, at least one dimension, D >= 1) without viewing it.
+void check_input(const char* op, const char* argument, const at::Tensor& t);
 // Checks x (floating dtype, at least one dimension, D >= 1) and views it as rows.
 RowView input_rows(const char* op, const char* argument, const at::Tensor& t);
 // Views without ever copying; std::nullopt when the strides do not allow it.
