@@ -204,7 +204,7 @@ def run_layer_table(args):
         if t <= args.bf16_max_tokens:
             fns["bf16"] = call(layer_bf16, torch.bfloat16)
         with torch.inference_mode():
-            outs = {name: fn().float().flatten() for name, fn in fns.items()}
+            outs = {name: fn().double().flatten() for name, fn in fns.items()}
             times = _median_ms(fns, args.repeats)
         for name, ms in times.items():
             cosine = torch.nn.functional.cosine_similarity(outs[name], outs["fp32"], dim=0).item()
