@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
+from conftest import TINY_HF_CONFIG, tiny_llama
 
 import fusednorm
 from fusednorm import quant
 
-transformers = pytest.importorskip("transformers")
-from test_hf import SMALL  # noqa: E402  (the tiny configurations of the HF tests)
+pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -68,9 +68,8 @@ def test_linear_approximates_fp32():
 
 
 def _tiny_llama():
-    config = transformers.LlamaConfig(**{**SMALL, "hidden_size": 128, "intermediate_size": 256})
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama().eval()
     with torch.no_grad():  # norm weights away from 1, so a wrong weight handling shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -118,11 +117,16 @@ def test_tiny_llama_logits_close_to_fp32(capsys):
     model = _tiny_llama()
     w8a8 = copy.deepcopy(model)
     quant.patch_hf_w8a8(w8a8)
-    ids = torch.randint(0, SMALL["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(1))
+    # 16 x 64 positions: with 128 the agreement moved by 0.8 % per flipped argmax, and the
+    # random model's top-two logits are close (median gap 0.04, logit std 0.16).
+    vocab, seq = TINY_HF_CONFIG["vocab_size"], TINY_HF_CONFIG["max_position_embeddings"]
+    ids = torch.randint(0, vocab, (16, seq), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ref = model(input_ids=ids).logits
         got = w8a8(input_ids=ids).logits
-    cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
+    cos = torch.nn.functional.cosine_similarity(
+        got.double().flatten(), ref.double().flatten(), dim=0
+    ).item()
     top1 = (got.argmax(-1) == ref.argmax(-1)).double().mean().item()
     with capsys.disabled():
         print(f"\n[w8a8 tiny llama] logits cosine {cos:.5f}, top-1 agreement {top1:.2%} "
