@@ -120,7 +120,10 @@ class W8A8Linear(nn.Module):
         return cls(linear.weight, linear.bias, linear.weight.dtype)
 
     def forward(self, x) -> torch.Tensor:
-        act = x if isinstance(x, QuantizedActivation) else QuantizedActivation(*quantize_per_token(x))
+        if isinstance(x, QuantizedActivation):
+            act = x
+        else:
+            act = QuantizedActivation(*quantize_per_token(x))
         q = act.q.reshape(-1, self.in_features)
         # int8 -> uint8 with zero point 128: two's complement q XOR 0x80 is q + 128.
         q_u8 = q.view(torch.uint8).bitwise_xor(0x80)

@@ -129,7 +129,8 @@ def test_saturation_at_qmax(qdtype):
         assert torch.equal(qf[big].abs(), torch.full_like(qf[big], 448.0))
     # dynamic: the row's largest |y| lands exactly on qmax
     q, s = fusednorm.rms_norm_quant(x, dtype=qdtype)
-    assert torch.equal(q.double().abs().amax(-1), torch.full((4,), QMAX[qdtype], dtype=torch.float64))
+    row_max = q.double().abs().amax(-1)
+    assert torch.equal(row_max, torch.full((4,), QMAX[qdtype], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES, ids=str)
@@ -238,16 +239,23 @@ def test_bad_input_errors():
     _raises("argument 'scale'.*one element", lambda: f(x, w, scale=torch.ones(2)))
     _raises("argument 'scale'.*float32", lambda: f(x, w, scale=torch.ones(1, dtype=torch.float64)))
     for bad in (0.0, -1.0, float("inf"), float("nan")):
-        _raises("scale", lambda: f(x, w, scale=torch.tensor([bad])))
-    _raises("argument 'scale_ub'.*static", lambda: f(x, w, scale=torch.ones(1), scale_ub=torch.ones(1)))
-    _raises("argument 'scale_ub'", lambda: f(x, w, scale_ub=torch.tensor([-1.0])))
+        _raises("argument 'scale'.*finite and > 0", lambda: f(x, w, scale=torch.tensor([bad])))
+    one = torch.ones(1)
+    _raises("argument 'scale_ub'.*static", lambda: f(x, w, scale=one, scale_ub=one))
+    _raises("argument 'scale_ub'.*finite", lambda: f(x, w, scale_ub=torch.tensor([-1.0])))
     _raises("argument 'scale_ub'.*one element", lambda: f(x, w, scale_ub=torch.ones(3)))
     _raises("argument 'weight'", lambda: f(x, torch.randn(31)))
-    _raises("argument 'out'.*dtype", lambda: ops.rms_norm_quant.out(x, w, out=torch.empty(4, 32), row_scales=torch.empty(4, 1)))
-    _raises("argument 'out'.*shape", lambda: f(x, w, scale=torch.ones(1), out=torch.empty(4, 31, dtype=torch.int8)))
-    _raises("argument 'row_scales'.*shape", lambda: f(x, w, out=(torch.empty(4, 32, dtype=torch.int8), torch.empty(4))))
-    _raises("argument 'row_scales'.*required", lambda: ops.rms_norm_quant.out(x, w, out=torch.empty(4, 32, dtype=torch.int8)))
-    _raises("out=\\(q, scale\\)", lambda: f(x, w, out=torch.empty(4, 32, dtype=torch.int8)))
+    q8, q8_narrow = torch.empty(4, 32, dtype=torch.int8), torch.empty(4, 31, dtype=torch.int8)
+    row_scales = torch.empty(4, 1)
+    _raises(
+        "argument 'out'.*dtype",
+        lambda: ops.rms_norm_quant.out(x, w, out=torch.empty(4, 32), row_scales=row_scales),
+    )
+    _raises("argument 'out'.*shape", lambda: f(x, w, scale=one, out=q8_narrow))
+    _raises("argument 'row_scales'.*shape", lambda: f(x, w, out=(q8, torch.empty(4))))
+    _raises("argument 'row_scales'.*required", lambda: ops.rms_norm_quant.out(x, w, out=q8))
+    _raises("argument 'row_scales'.*static", lambda: f(x, w, scale=one, out=(q8, row_scales)))
+    _raises("out=\\(q, scale\\)", lambda: f(x, w, out=q8))
     g = fusednorm.fused_add_rms_norm_quant
     _raises("argument 'residual'", lambda: g(x, torch.randn(4, 31), w))
     _raises("argument 'residual'", lambda: g(x, x.half(), w))

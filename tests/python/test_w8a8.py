@@ -133,3 +133,19 @@ def test_tiny_llama_logits_close_to_fp32(capsys):
               f"of {ids.numel()} positions (weight qmax {quant.weight_qmax()})")
     assert cos >= 0.99
     assert top1 >= 0.95
+
+
+def test_bench_w8a8_runs_and_every_int8_gemm_is_exact(capsys):
+    # The benchmark's candidates on small shapes: every int8 path must give the exact product
+    # of its int8 operands (up to the fp32 output's rounding); FP8 has its format's error.
+    from fusednorm import bench_w8a8
+
+    cands, errors = bench_w8a8.gemm_candidates(5, 256, 64, skip=set())
+    assert set(cands) >= {"fp32_matmul", "int_mm", "onednn_u8", "onednn_s8", "fbgemm"}
+    for name, err in errors.items():
+        assert err <= (0.1 if name in ("scaled_mm_fp8", "bf16_matmul") else 1e-6), (name, err)
+    bench_w8a8.main(["--tables", "gemm,norm,layer", "--tokens", "1,3", "--hidden", "128",
+                     "--intermediate", "256", "--heads", "4", "--repeats", "1",
+                     "--norm-rows", "3"])
+    out = capsys.readouterr().out
+    assert "onednn_u8" in out and "w8a8" in out and "torch_compile" in out
