@@ -464,11 +464,9 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
   ASSERT_FALSE(targets.empty());
   std::size_t mismatches = 0;
   auto check_block = [&](const cpu::QuantKernels& kernels, DType q_dtype) {
-    const cpu::QuantizeRowFn fn = kernels.quantize_row[static_cast<int>(DType::kFloat32)]
-                                                      [cpu::kNoParam][cpu::quant_index(q_dtype)];
-    // y = v * rstd (1) and q = quantize(y * inv_scale (1)): exactly quantize(v).
-    fn(values.data(), nullptr, got.data(), static_cast<std::int64_t>(values.size()), 1.0f, -0.0f,
-       1.0f);
+    // q = quantize(v * inv_scale (1)): exactly quantize(v).
+    kernels.quantize[cpu::quant_index(q_dtype)](values.data(), got.data(),
+                                                static_cast<std::int64_t>(values.size()), 1.0f);
     for (std::size_t i = 0; i < values.size(); ++i) {
       const std::uint8_t want = quantize_scalar(values[i], q_dtype);
       if (got[i] != want && ++mismatches <= 5) {
