@@ -83,7 +83,7 @@ struct Options {
       "  --dtype    float16 (default), bfloat16, float32 (also fp16, bf16, fp32)\n"
       "  --threads  CPU threads, default 0 = all hardware threads\n"
       "  --repeat   timed runs per case (median reported), default 30\n"
-      "  --fused-only  skip the stepwise baseline (slow on large shapes)\n"
+      "  --fused-only  skip the stepwise and two-pass baselines (slow on large shapes)\n"
       "  --json     one JSON object per line instead of the table\n"
       "The CPU SIMD target is the best this CPU supports; FUSEDNORM_CPU_TARGET=AVX2 (or any\n"
       "Highway target name this CPU supports) runs a chosen one. Both outputs name it.\n");
@@ -310,7 +310,7 @@ class Bench {
       for (const DType q : {DType::kInt8, DType::kFloat8E4M3}) {
         for (const bool dynamic : {false, true}) {
           // Each fused case right after its two-pass baseline: ratios within one stretch.
-          cases.push_back([this, q, dynamic] { rms_quant_two_pass(q, dynamic); });
+          if (o_.stepwise) cases.push_back([this, q, dynamic] { rms_quant_two_pass(q, dynamic); });
           cases.push_back([this, q, dynamic] { rms_quant(q, dynamic, false); });
         }
       }
