@@ -492,6 +492,42 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
   EXPECT_EQ(mismatches, 0u);
 }
 
+// normalize_amax gives the same y and amax on every target (the backend runs one of them;
+// the quantizers are checked on every target above).
+TEST(Quant, NormalizeAmaxSameBitsOnEveryTarget) {
+  Rng rng(seed_for(current_test_name(), 0));
+  const auto targets = cpu::quant_kernels_for_all_supported_targets();
+  ASSERT_FALSE(targets.empty());
+  for (const DType dtype : kAllDTypes) {
+    for (const WeightKind kind : {WeightKind::kNone, WeightKind::kSame, WeightKind::kFloat32}) {
+      const std::int64_t cols = 1031;
+      Buffer x(dtype, 1, cols);
+      fill_activations(x, rng, false);
+      x.set(0, 17, std::numeric_limits<double>::quiet_NaN());
+      const Buffer w = make_weight(kind, dtype, cols, rng, 1.0);
+      const int slot = kind == WeightKind::kNone      ? cpu::kNoParam
+                       : kind == WeightKind::kFloat32 ? cpu::kFloat32Param
+                                                      : cpu::kElementParam;
+      std::vector<float> first(cols), y(cols);
+      float first_amax = 0.0f;
+      for (std::size_t t = 0; t < targets.size(); ++t) {
+        const float amax = targets[t].kernels.normalize_amax[static_cast<int>(dtype)][slot](
+            x.data(), w.empty() ? nullptr : w.data(), (t == 0 ? first : y).data(), cols, 0.37f,
+            1.0f);
+        if (t == 0) {
+          first_amax = amax;
+          EXPECT_GT(amax, 0.0f);
+          continue;
+        }
+        SCOPED_TRACE(::testing::Message() << targets[t].name << " vs " << targets[0].name << ", "
+                                          << dtype_str(dtype) << ", " << weight_kind_str(kind));
+        EXPECT_EQ(detail::float_bits(amax), detail::float_bits(first_amax));
+        EXPECT_EQ(std::memcmp(y.data(), first.data(), cols * sizeof(float)), 0);
+      }
+    }
+  }
+}
+
 // ---- Argument checks -------------------------------------------------------------------------
 
 class QuantErrors : public ::testing::Test {
