@@ -250,8 +250,9 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, QuantTest, all_rms_variants(), rms_variant
 // bit-exactly against the definition (the same y, one reciprocal per row, a multiply).
 TEST(Quant, Float32BitsOfTheDefinition) {
   Rng rng(seed_for(current_test_name(), 0));
-  for (const std::int64_t cols : {7, 64, 1000, 4097}) {
-    const std::int64_t rows = 9;
+  // 12289: a row staged in pieces (kQuantStagingFloats), dynamic mode recomputing y.
+  for (const std::int64_t cols : {7, 64, 1000, 4097, 12289}) {
+    const std::int64_t rows = cols > 8192 ? 3 : 9;
     Buffer x(DType::kFloat32, rows, cols);
     Buffer residual(DType::kFloat32, rows, cols);
     fill_activations(x, rng, false);
@@ -320,7 +321,7 @@ TEST(Quant, Float32BitsOfTheDefinition) {
 TEST(Quant, BitIdenticalForAnyThreadCount) {
   Rng rng(seed_for(current_test_name(), 0));
   for (const DType dtype : kAllDTypes) {
-    const std::int64_t rows = 67, cols = 4097;
+    const std::int64_t rows = 67, cols = dtype == DType::kBFloat16 ? 8197 : 4097;
     Buffer x(dtype, rows, cols);
     Buffer residual(dtype, rows, cols);
     fill_activations(x, rng, false);
@@ -454,9 +455,11 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
   boundaries.push_back(std::numeric_limits<float>::quiet_NaN());
   boundaries.push_back(-std::numeric_limits<float>::quiet_NaN());
 
-  // Blocks of values: the boundaries first, then every 97th fp32 bit pattern (every 9973rd
-  // in quick mode). Odd block lengths, so the staged tails are covered too.
+  // Blocks of values: the boundaries first, then every 97th fp32 bit pattern of magnitude
+  // below 1024 (every 9973rd in quick mode), and every 9973rd (99991st) beyond, where every
+  // value saturates. Odd block lengths, so the staged tails are covered too.
   const std::uint64_t step = quick_mode() ? 9973u : 97u;
+  const std::uint64_t saturated_step = quick_mode() ? 99991u : 9973u;
   constexpr std::size_t kBlock = 65539;
   std::vector<float> values;
   std::vector<std::uint8_t> got(kBlock);
@@ -482,7 +485,8 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
     values.clear();
     if (first) values = boundaries;
     first = false;
-    for (; values.size() < kBlock && next <= 0xffffffffu; next += step) {
+    for (; values.size() < kBlock && next <= 0xffffffffu;
+         next += (next & 0x7fffffffu) < 0x44800000u ? step : saturated_step) {
       values.push_back(detail::bits_float(static_cast<std::uint32_t>(next)));
     }
     for (const auto& target : targets) {
