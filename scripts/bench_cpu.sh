@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU figures of docs/PERFORMANCE.md: fusednorm-bench (fused kernels only) on the shapes
 # the targets are set for (16384 x 4096, 2048 x 8192, 65536 x 128: every operator, forward
-# and backward; 1 x 4096 forward), every dtype, on the CPU's native SIMD target and on AVX2.
+# and backward; 1 x 4096 forward; rms_norm_quant at the first two), every dtype, on the CPU's
+# native SIMD target and on AVX2.
 # Prints one markdown table; the raw JSON lines go to build/bench_cpu.jsonl.
 #
 # Environment:
@@ -59,6 +60,8 @@ for round in $(seq "$rounds"); do
         set -- $shape
         # Every operator on the same inputs (one setup per shape).
         run "$target" "$round" --rows "$1" --dim "$2" --dtype "$dtype" --op all
+        # The quantized norm (int8 / e4m3, static / dynamic) on the shapes its targets are for.
+        [ "$2" = 128 ] || run "$target" "$round" --rows "$1" --dim "$2" --dtype "$dtype" --op rms_norm_quant
       done
     done
   done

@@ -21,7 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "core/quantize.h"
 #include "core/scalar_convert.h"
+#include "cpu/quant_kernels.h"
 #include "cpu/row_kernels.h"
 #include "fusednorm/fusednorm.h"
 #include "fusednorm/reference.h"
@@ -72,13 +74,16 @@ struct Options {
       "                       [--repeat N] [--fused-only] [--json]\n"
       "  --op       all (default), rms_norm, fused_add_rms_norm, rms_norm_backward,\n"
       "             rms_norm_backward_add (the fused add's backward: dx + a dx addend),\n"
-      "             layer_norm, layer_norm_backward\n"
+      "             layer_norm, layer_norm_backward,\n"
+      "             rms_norm_quant (int8 and fp8 e4m3, static and dynamic per-token scales,\n"
+      "             against the two-pass baseline: rms_norm into x's dtype, then a quantize\n"
+      "             pass; and fused_add_rms_norm_quant, dynamic int8; not part of 'all')\n"
       "  --rows     rows (tokens), default 512\n"
       "  --dim      D (hidden size), default 4096\n"
       "  --dtype    float16 (default), bfloat16, float32 (also fp16, bf16, fp32)\n"
       "  --threads  CPU threads, default 0 = all hardware threads\n"
       "  --repeat   timed runs per case (median reported), default 30\n"
-      "  --fused-only  skip the stepwise baseline (slow on large shapes)\n"
+      "  --fused-only  skip the stepwise and two-pass baselines (slow on large shapes)\n"
       "  --json     one JSON object per line instead of the table\n"
       "The CPU SIMD target is the best this CPU supports; FUSEDNORM_CPU_TARGET=AVX2 (or any\n"
       "Highway target name this CPU supports) runs a chosen one. Both outputs name it.\n");
@@ -141,7 +146,8 @@ Options parse(int argc, char** argv) {
                        "rms_norm_backward",
                        "rms_norm_backward_add",
                        "layer_norm",
-                       "layer_norm_backward"};
+                       "layer_norm_backward",
+                       "rms_norm_quant"};
   if (std::none_of(std::begin(ops), std::end(ops), [&](const char* op) { return o.op == op; })) {
     usage(("unknown --op '" + o.op + "'").c_str());
   }
@@ -300,6 +306,16 @@ class Bench {
     }
     if (all || o_.op == "rms_norm_backward_add") cases.push_back([this] { rms_backward_add(); });
     if (all || o_.op == "layer_norm_backward") cases.push_back([this] { layer_backward(); });
+    if (o_.op == "rms_norm_quant") {
+      for (const DType q : {DType::kInt8, DType::kFloat8E4M3}) {
+        for (const bool dynamic : {false, true}) {
+          // Each fused case right after its two-pass baseline: ratios within one stretch.
+          if (o_.stepwise) cases.push_back([this, q, dynamic] { rms_quant_two_pass(q, dynamic); });
+          cases.push_back([this, q, dynamic] { rms_quant(q, dynamic, false); });
+        }
+      }
+      cases.push_back([this] { rms_quant(DType::kInt8, true, true); });
+    }
     const auto start = Clock::now();
     for (std::size_t i = 0; i < cases.size(); ++i) {
       // Announce progress once the run has taken more than a couple of seconds.
@@ -464,6 +480,118 @@ class Bench {
             fn);
   }
 
+  static std::string quant_op_name(DType q, bool dynamic, bool fused_add) {
+    return std::string(fused_add ? "fused_add_rms_norm_quant" : "rms_norm_quant") + " " +
+           (q == DType::kInt8 ? "i8" : "e4m3") + (dynamic ? " dyn" : " static");
+  }
+  // x read and q written, plus the weight, the row scales (dynamic) and the fused add's
+  // residual read and write.
+  double quant_bytes(bool dynamic, bool fused_add) const {
+    const double elements = static_cast<double>(o_.rows * o_.dim);
+    return element_bytes_ * (fused_add ? 3 : 1) + elements + static_cast<double>(weight_bytes()) +
+           (dynamic ? 4.0 * static_cast<double>(o_.rows) : 0.0);
+  }
+  // A static scale that saturates a few of the largest |y| (|x| < 1, w < 1: |y| < ~1.7).
+  static float static_scale(DType q) { return 1.5f / detail::quant_max(q); }
+
+  // Checks q against the fp64 reference: every element within one step of rne(q_exact), and
+  // the share of elements off rne(q_exact) (only near rounding boundaries) reported as the
+  // error, with a limit of 1e-2 (a dynamic scale's few-ulp difference from the fp64 one
+  // moves every q_exact of its row: about 1e-3 of them then cross a boundary).
+  void check_quant(Result& r, const std::vector<std::uint8_t>& q, DType q_dtype,
+                   const reference::QuantResult& want) {
+    std::size_t off = 0, far = 0;
+    for (std::size_t i = 0; i < q.size(); ++i) {
+      const float exact = static_cast<float>(want.q_exact[i]);
+      const std::uint8_t rounded =
+          q_dtype == DType::kInt8 ? static_cast<std::uint8_t>(detail::float_to_int8_saturate(exact))
+                                  : detail::float_to_e4m3_saturate(exact);
+      if (q[i] == rounded) continue;
+      ++off;
+      // One step: adjacent int8 values; adjacent E4M3 codes of the same sign.
+      const int step = q_dtype == DType::kInt8     ? std::abs(int{static_cast<std::int8_t>(q[i])} -
+                                                              int{static_cast<std::int8_t>(rounded)})
+                       : ((q[i] ^ rounded) & 0x80) ? 2
+                                                   : std::abs(int{q[i]} - int{rounded});
+      if (step > 1) ++far;
+    }
+    r.max_abs_err = static_cast<double>(off) / static_cast<double>(q.size());
+    r.error_limit = 1e-2;
+    if (far != 0) r.note = std::to_string(far) + " elements more than one step off";
+  }
+
+  void rms_quant(DType q_dtype, bool dynamic, bool fused_add) {
+    std::vector<std::uint8_t> q(static_cast<std::size_t>(o_.rows * o_.dim));
+    std::vector<float> scales(static_cast<std::size_t>(o_.rows));
+    Tensor residual = residual_init_[0];
+    const ConstMatrix x = x_[0].view();
+    const ConstVector w = weight_[0].vec();
+    const float fixed = static_scale(q_dtype);
+    QuantScale scale;
+    if (dynamic) {
+      scale.row_scales = scales.data();
+    } else {
+      scale.static_scale = &fixed;
+    }
+    const Matrix qm = matrix(q.data(), q_dtype, o_.rows, o_.dim);
+    Result r(quant_op_name(q_dtype, dynamic, fused_add), "fused");
+    const reference::QuantResult want =
+        reference::rms_norm_quant(x, fused_add ? residual.view() : ConstMatrix{}, w, q_dtype,
+                                  dynamic ? nullptr : &fixed, nullptr);
+    auto fn = [&] {
+      if (fused_add) {
+        fused_add_rms_norm_quant(ctx_, x, residual.view(), w, qm, scale);
+      } else {
+        rms_norm_quant(ctx_, x, w, qm, scale);
+      }
+    };
+    fn();
+    check_quant(r, q, q_dtype, want);
+    // The fused add's timed runs keep adding x into residual: other values, the same work.
+    measure(r, quant_bytes(dynamic, fused_add), fn);
+  }
+
+  // The baseline the fused operator replaces: rms_norm into x's dtype, then a quantize pass
+  // over y (this library's SIMD quantizer; dynamic: a row's amax, then its quantization,
+  // the row still in cache), same threads.
+  void rms_quant_two_pass(DType q_dtype, bool dynamic) {
+    Tensor y(o_.dtype, o_.rows, o_.dim);
+    std::vector<std::uint8_t> q(static_cast<std::size_t>(o_.rows * o_.dim));
+    std::vector<float> scales(static_cast<std::size_t>(o_.rows));
+    const ConstMatrix x = x_[0].view();
+    const ConstVector w = weight_[0].vec();
+    const float fixed = static_scale(q_dtype);
+    const cpu::QuantKernels& k = cpu::quant_kernels();
+    const cpu::NormalizeAmaxFn to_float =
+        k.normalize_amax[static_cast<int>(o_.dtype)][cpu::kNoParam];
+    const cpu::QuantizeFn quantize = k.quantize[cpu::quant_index(q_dtype)];
+    const std::size_t esize = dtype_size(o_.dtype);
+    const std::int64_t rows = o_.rows, cols = o_.dim;
+    std::vector<float> staging(static_cast<std::size_t>(threads_ * cols));
+    Result r(quant_op_name(q_dtype, dynamic, false), "two-pass");
+    auto fn = [&] {
+      rms_norm(ctx_, x, w, y.view(), nullptr, {});
+      const float static_inv = 1.0f / fixed;
+#pragma omp parallel for schedule(static) num_threads(threads_)
+      for (std::int64_t row = 0; row < rows; ++row) {
+        // The row of y as fp32 (y * 1) with its amax, then quantized.
+        float* y32 = staging.data() + omp_get_thread_num() * cols;
+        const unsigned char* y_row = y.bytes.data() + static_cast<std::size_t>(row * cols) * esize;
+        const float amax = to_float(y_row, nullptr, y32, cols, 1.0f, -0.0f);
+        float inv = static_inv;
+        if (dynamic) {
+          scales[row] = detail::dynamic_quant_scale(amax, nullptr, q_dtype);
+          inv = 1.0f / scales[row];
+        }
+        quantize(y32, q.data() + row * cols, cols, inv);
+      }
+    };
+    fn();
+    check_quant(r, q, q_dtype,
+                reference::rms_norm_quant(x, {}, w, q_dtype, dynamic ? nullptr : &fixed, nullptr));
+    measure(r, quant_bytes(dynamic, false), fn);
+  }
+
   // dw sums over all rows, so its error grows with the row count: judge it relative to its
   // largest element and the number of fp32 additions behind it.
   void check_gradient_vector(Result& r, const Tensor& got, const std::vector<double>& want) {
@@ -569,6 +697,14 @@ int main(int argc, char** argv) {
         find(results, "rms_norm", "fused"));
   ratio("RMSNorm vs LayerNorm (fused), backward:", find(results, "layer_norm_backward", "fused"),
         find(results, "rms_norm_backward", "fused"));
+  for (const DType q : {DType::kInt8, DType::kFloat8E4M3}) {
+    for (const bool dynamic : {false, true}) {
+      const std::string op = std::string("rms_norm_quant ") + (q == DType::kInt8 ? "i8" : "e4m3") +
+                             (dynamic ? " dyn" : " static");
+      ratio(("fused vs two-pass " + op + ":").c_str(), find(results, op, "two-pass"),
+            find(results, op, "fused"));
+    }
+  }
   std::printf("\nresult check against the fp64 reference: %s\n", ok ? "ok" : "FAILED");
   return ok ? 0 : 1;
 }

@@ -1,6 +1,6 @@
 // Highway implementation of quant_kernels.h, compiled once per SIMD target through
-// foreach_target.h. Few instantiations on purpose (compile time): per target, 8 (rows dtype,
-// weight type) pairs x {amax, int8, e4m3}.
+// foreach_target.h. Few instantiations on purpose (compile time): per target, one
+// NormalizeAmax per (rows dtype, weight type) pair (8) and one quantizer per q dtype (2).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/quant_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -28,8 +28,11 @@ HWY_INLINE VF NormalizedElements(IsFull full, DF df, const T* x, const void* w, 
   return y;
 }
 
+// y = x * rstd [* (w + w_offset)] of n elements into y_out (fp32); returns max |y| over the
+// non-NaN values (0 if none).
 template <typename T, typename W>
-float RowAmax(const void* x_ptr, const void* w, int64_t n, float rstd, float w_offset) {
+float NormalizeAmax(const void* x_ptr, const void* w, float* y_out, int64_t n, float rstd,
+                    float w_offset) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const T* x = static_cast<const T*>(x_ptr);
@@ -39,19 +42,24 @@ float RowAmax(const void* x_ptr, const void* w, int64_t n, float rstd, float w_o
   VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
-    acc0 =
-        hn::Max(acc0, magnitude(NormalizedElements<T, W>(Full(), df, x, w, i, N, vrstd, voffset)));
-    acc1 = hn::Max(acc1,
-                   magnitude(NormalizedElements<T, W>(Full(), df, x, w, i + N, N, vrstd, voffset)));
+    const VF y0 = NormalizedElements<T, W>(Full(), df, x, w, i, N, vrstd, voffset);
+    const VF y1 = NormalizedElements<T, W>(Full(), df, x, w, i + N, N, vrstd, voffset);
+    hn::StoreU(y0, df, y_out + i);
+    hn::StoreU(y1, df, y_out + i + N);
+    acc0 = hn::Max(acc0, magnitude(y0));
+    acc1 = hn::Max(acc1, magnitude(y1));
   }
   for (; i + N <= n; i += N) {
-    acc0 =
-        hn::Max(acc0, magnitude(NormalizedElements<T, W>(Full(), df, x, w, i, N, vrstd, voffset)));
+    const VF y = NormalizedElements<T, W>(Full(), df, x, w, i, N, vrstd, voffset);
+    hn::StoreU(y, df, y_out + i);
+    acc0 = hn::Max(acc0, magnitude(y));
   }
   if (i < n) {
     // Padding lanes load as 0 (y = 0, or NaN when rstd is Inf): they never raise the max.
-    acc1 = hn::Max(acc1, magnitude(NormalizedElements<T, W>(
-                             Partial(), df, x, w, i, static_cast<size_t>(n - i), vrstd, voffset)));
+    const auto rest = static_cast<size_t>(n - i);
+    const VF y = NormalizedElements<T, W>(Partial(), df, x, w, i, rest, vrstd, voffset);
+    StoreFloats(Partial(), df, y, y_out + i, rest);
+    acc1 = hn::Max(acc1, magnitude(y));
   }
   return hn::GetLane(hn::MaxOfLanes(df, hn::Max(acc0, acc1)));
 }
@@ -66,9 +74,12 @@ HWY_INLINE hn::Vec<D8> QuantizeInt8(DF df, VF v) {
   const DI di;
   v = hn::IfThenZeroElse(hn::IsNaN(v), v);
   v = hn::Min(hn::Max(v, hn::Set(df, -128.0f)), hn::Set(df, 127.0f));
-  // Adding and subtracting 1.5 * 2^23 rounds |v| <= 128 to an integer, to nearest even.
+  // Adding 1.5 * 2^23 rounds |v| <= 128 to an integer, to nearest even, and leaves the sum in
+  // [2^23, 2^24), where the fp32 ulp is 1: the sum's bits minus the constant's are that
+  // integer. (Subtracting the constant in fp32 and converting cost five more instructions
+  // per vector on AVX2: Highway's ConvertTo guards against out-of-range values.)
   const VF magic = hn::Set(df, 12582912.0f);
-  const auto integer = hn::ConvertTo(di, hn::Sub(hn::Add(v, magic), magic));
+  const auto integer = hn::Sub(hn::BitCast(di, hn::Add(v, magic)), hn::Set(di, 0x4b400000));
   const hn::Rebind<int8_t, DF> d8;
   return hn::BitCast(D8(), hn::DemoteTo(d8, integer));
 }
@@ -108,61 +119,63 @@ HWY_INLINE hn::Vec<D8> Quantize(DF df, VF v) {
   }
 }
 
-template <typename T, typename W, bool kFp8>
-void QuantizeRow(const void* x_ptr, const void* w, void* q_ptr, int64_t n, float rstd,
-                 float w_offset, float inv_scale) {
+template <bool kFp8>
+void QuantizeFloats(const float* y, void* q_ptr, int64_t n, float inv_scale) {
   const DF df;
   const D8 d8;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  const T* x = static_cast<const T*>(x_ptr);
   auto* q = static_cast<uint8_t*>(q_ptr);
-  const VF vrstd = hn::Set(df, rstd), voffset = hn::Set(df, w_offset);
   const VF vinv = hn::Set(df, inv_scale);
   int64_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    const VF a = hn::Mul(hn::LoadU(df, y + i), vinv);
+    const VF b = hn::Mul(hn::LoadU(df, y + i + N), vinv);
+    hn::StoreU(Quantize<kFp8>(df, a), d8, q + i);
+    hn::StoreU(Quantize<kFp8>(df, b), d8, q + i + N);
+  }
   for (; i + N <= n; i += N) {
-    const VF y = NormalizedElements<T, W>(Full(), df, x, w, i, N, vrstd, voffset);
-    hn::StoreU(Quantize<kFp8>(df, hn::Mul(y, vinv)), d8, q + i);
+    hn::StoreU(Quantize<kFp8>(df, hn::Mul(hn::LoadU(df, y + i), vinv)), d8, q + i);
   }
   if (i < n) {
     const auto rest = static_cast<size_t>(n - i);
-    const VF y = NormalizedElements<T, W>(Partial(), df, x, w, i, rest, vrstd, voffset);
+    const VF v = hn::Mul(LoadElements(Partial(), df, y + i, rest), vinv);
     HWY_ALIGN uint8_t staged[HWY_MAX_BYTES / sizeof(float)];
-    hn::Store(Quantize<kFp8>(df, hn::Mul(y, vinv)), d8, staged);
+    hn::Store(Quantize<kFp8>(df, v), d8, staged);
     std::memcpy(q + i, staged, rest);
   }
 }
 
 // ---- Table construction ----------------------------------------------------------------
 
-// The kernels of rows T with weight W (void: none) into their ParamType slots; for fp32 rows
-// an fp32 weight is also the rows' own dtype.
+// The kernel of rows T with weight W (void: none) into its ParamType slots; for fp32 rows an
+// fp32 weight is also the rows' own dtype.
 template <typename T, typename W>
-void SetQuantKernels(QuantKernels* k, DType dtype) {
-  const int d = static_cast<int>(dtype);
-  for (const int slot :
-       {std::is_void_v<W>          ? int{kNoParam}
-        : std::is_same_v<W, float> ? int{kFloat32Param}
-                                   : int{kElementParam},
-        std::is_same_v<T, float> && std::is_same_v<W, float> ? int{kElementParam} : -1}) {
-    if (slot < 0) continue;
-    k->row_amax[d][slot] = &RowAmax<T, W>;
-    k->quantize_row[d][slot][0] = &QuantizeRow<T, W, false>;
-    k->quantize_row[d][slot][1] = &QuantizeRow<T, W, true>;
+void SetNormalizeAmax(QuantKernels* k, DType dtype) {
+  auto& slots = k->normalize_amax[static_cast<int>(dtype)];
+  if constexpr (std::is_void_v<W>) {
+    slots[kNoParam] = &NormalizeAmax<T, W>;
+  } else if constexpr (std::is_same_v<W, float>) {
+    slots[kFloat32Param] = &NormalizeAmax<T, W>;
+    if constexpr (std::is_same_v<T, float>) slots[kElementParam] = &NormalizeAmax<T, W>;
+  } else {
+    slots[kElementParam] = &NormalizeAmax<T, W>;
   }
 }
 
 template <typename T>
-void SetQuantDType(QuantKernels* k, DType dtype) {
-  SetQuantKernels<T, void>(k, dtype);
-  SetQuantKernels<T, float>(k, dtype);
-  if constexpr (!std::is_same_v<T, float>) SetQuantKernels<T, T>(k, dtype);
+void SetNormalizeAmaxDType(QuantKernels* k, DType dtype) {
+  SetNormalizeAmax<T, void>(k, dtype);
+  SetNormalizeAmax<T, float>(k, dtype);
+  if constexpr (!std::is_same_v<T, float>) SetNormalizeAmax<T, T>(k, dtype);
 }
 
 void FillQuantKernels(QuantKernels* k) {
   *k = QuantKernels{};
-  SetQuantDType<float>(k, DType::kFloat32);
-  SetQuantDType<hwy::float16_t>(k, DType::kFloat16);
-  SetQuantDType<hwy::bfloat16_t>(k, DType::kBFloat16);
+  SetNormalizeAmaxDType<float>(k, DType::kFloat32);
+  SetNormalizeAmaxDType<hwy::float16_t>(k, DType::kFloat16);
+  SetNormalizeAmaxDType<hwy::bfloat16_t>(k, DType::kBFloat16);
+  k->quantize[0] = &QuantizeFloats<false>;
+  k->quantize[1] = &QuantizeFloats<true>;
   k->target_name = hwy::TargetName(HWY_TARGET);
 }
 

@@ -3,9 +3,10 @@
 // row_kernels.cc's compile time does not grow) and compiled for every SIMD target.
 //
 // A row's statistics (sum of squares, the fused add's residual update) come from
-// row_kernels.h's kernels, so y's rstd has rms_norm's bits; these kernels then compute
-// y = x * rstd [* (w + w_offset)] exactly as row_kernels' normalize does, and either reduce
-// it (amax) or quantize it. The caller (cpu_backend.cpp) owns rows, scales and threads.
+// row_kernels.h's kernels, so y's rstd has rms_norm's bits; normalize_amax then computes
+// y = x * rstd [* (w + w_offset)] exactly as row_kernels' normalize does, into an fp32
+// staging buffer (with the amax), and quantize turns staged y into q. The caller
+// (cpu_backend.cpp) owns rows, staging, scales and threads.
 #pragma once
 
 #include <cstdint>
@@ -15,17 +16,17 @@
 
 namespace fusednorm::cpu {
 
-// max_j |y[j]| over the non-NaN y of one row (0 if none); y as above.
-using RowAmaxFn = float (*)(const void* x, const void* w, std::int64_t n, float rstd,
-                            float w_offset);
+// y[j] = x[j] * rstd [* (w[j] + w_offset)] (fp32) for j < n; returns max_j |y[j]| over the
+// non-NaN y (0 if none).
+using NormalizeAmaxFn = float (*)(const void* x, const void* w, float* y, std::int64_t n,
+                                  float rstd, float w_offset);
 // q[j] = quantize(y[j] * inv_scale) with quantize.h's saturating conversion, j < n.
-using QuantizeRowFn = void (*)(const void* x, const void* w, void* q, std::int64_t n, float rstd,
-                               float w_offset, float inv_scale);
+using QuantizeFn = void (*)(const float* y, void* q, std::int64_t n, float inv_scale);
 
 struct QuantKernels {
   // [x DType][weight ParamType]; for fp32 rows kFloat32Param and kElementParam are the same.
-  RowAmaxFn row_amax[3][3];
-  QuantizeRowFn quantize_row[3][3][2];  // [..][..][0: int8, 1: float8 e4m3]
+  NormalizeAmaxFn normalize_amax[3][3];
+  QuantizeFn quantize[2];  // [0: int8, 1: float8 e4m3]
   const char* target_name;
 };
 

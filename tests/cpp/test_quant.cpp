@@ -250,8 +250,9 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, QuantTest, all_rms_variants(), rms_variant
 // bit-exactly against the definition (the same y, one reciprocal per row, a multiply).
 TEST(Quant, Float32BitsOfTheDefinition) {
   Rng rng(seed_for(current_test_name(), 0));
-  for (const std::int64_t cols : {7, 64, 1000, 4097}) {
-    const std::int64_t rows = 9;
+  // 12289: a row staged in pieces (kQuantStagingFloats), dynamic mode recomputing y.
+  for (const std::int64_t cols : {7, 64, 1000, 4097, 12289}) {
+    const std::int64_t rows = cols > 8192 ? 3 : 9;
     Buffer x(DType::kFloat32, rows, cols);
     Buffer residual(DType::kFloat32, rows, cols);
     fill_activations(x, rng, false);
@@ -320,7 +321,7 @@ TEST(Quant, Float32BitsOfTheDefinition) {
 TEST(Quant, BitIdenticalForAnyThreadCount) {
   Rng rng(seed_for(current_test_name(), 0));
   for (const DType dtype : kAllDTypes) {
-    const std::int64_t rows = 67, cols = 4097;
+    const std::int64_t rows = 67, cols = dtype == DType::kBFloat16 ? 8197 : 4097;
     Buffer x(dtype, rows, cols);
     Buffer residual(dtype, rows, cols);
     fill_activations(x, rng, false);
@@ -454,9 +455,11 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
   boundaries.push_back(std::numeric_limits<float>::quiet_NaN());
   boundaries.push_back(-std::numeric_limits<float>::quiet_NaN());
 
-  // Blocks of values: the boundaries first, then every 97th fp32 bit pattern (every 9973rd
-  // in quick mode). Odd block lengths, so the staged tails are covered too.
+  // Blocks of values: the boundaries first, then every 97th fp32 bit pattern of magnitude
+  // below 1024 (every 9973rd in quick mode), and every 9973rd (99991st) beyond, where every
+  // value saturates. Odd block lengths, so the staged tails are covered too.
   const std::uint64_t step = quick_mode() ? 9973u : 97u;
+  const std::uint64_t saturated_step = quick_mode() ? 99991u : 9973u;
   constexpr std::size_t kBlock = 65539;
   std::vector<float> values;
   std::vector<std::uint8_t> got(kBlock);
@@ -464,11 +467,9 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
   ASSERT_FALSE(targets.empty());
   std::size_t mismatches = 0;
   auto check_block = [&](const cpu::QuantKernels& kernels, DType q_dtype) {
-    const cpu::QuantizeRowFn fn = kernels.quantize_row[static_cast<int>(DType::kFloat32)]
-                                                      [cpu::kNoParam][cpu::quant_index(q_dtype)];
-    // y = v * rstd (1) and q = quantize(y * inv_scale (1)): exactly quantize(v).
-    fn(values.data(), nullptr, got.data(), static_cast<std::int64_t>(values.size()), 1.0f, -0.0f,
-       1.0f);
+    // q = quantize(v * inv_scale (1)): exactly quantize(v).
+    kernels.quantize[cpu::quant_index(q_dtype)](values.data(), got.data(),
+                                                static_cast<std::int64_t>(values.size()), 1.0f);
     for (std::size_t i = 0; i < values.size(); ++i) {
       const std::uint8_t want = quantize_scalar(values[i], q_dtype);
       if (got[i] != want && ++mismatches <= 5) {
@@ -484,7 +485,8 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
     values.clear();
     if (first) values = boundaries;
     first = false;
-    for (; values.size() < kBlock && next <= 0xffffffffu; next += step) {
+    for (; values.size() < kBlock && next <= 0xffffffffu;
+         next += (next & 0x7fffffffu) < 0x44800000u ? step : saturated_step) {
       values.push_back(detail::bits_float(static_cast<std::uint32_t>(next)));
     }
     for (const auto& target : targets) {
@@ -492,6 +494,42 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
     }
   }
   EXPECT_EQ(mismatches, 0u);
+}
+
+// normalize_amax gives the same y and amax on every target (the backend runs one of them;
+// the quantizers are checked on every target above).
+TEST(Quant, NormalizeAmaxSameBitsOnEveryTarget) {
+  Rng rng(seed_for(current_test_name(), 0));
+  const auto targets = cpu::quant_kernels_for_all_supported_targets();
+  ASSERT_FALSE(targets.empty());
+  for (const DType dtype : kAllDTypes) {
+    for (const WeightKind kind : {WeightKind::kNone, WeightKind::kSame, WeightKind::kFloat32}) {
+      const std::int64_t cols = 1031;
+      Buffer x(dtype, 1, cols);
+      fill_activations(x, rng, false);
+      x.set(0, 17, std::numeric_limits<double>::quiet_NaN());
+      const Buffer w = make_weight(kind, dtype, cols, rng, 1.0);
+      const int slot = kind == WeightKind::kNone      ? cpu::kNoParam
+                       : kind == WeightKind::kFloat32 ? cpu::kFloat32Param
+                                                      : cpu::kElementParam;
+      std::vector<float> first(cols), y(cols);
+      float first_amax = 0.0f;
+      for (std::size_t t = 0; t < targets.size(); ++t) {
+        const float amax = targets[t].kernels.normalize_amax[static_cast<int>(dtype)][slot](
+            x.data(), w.empty() ? nullptr : w.data(), (t == 0 ? first : y).data(), cols, 0.37f,
+            1.0f);
+        if (t == 0) {
+          first_amax = amax;
+          EXPECT_GT(amax, 0.0f);
+          continue;
+        }
+        SCOPED_TRACE(::testing::Message() << targets[t].name << " vs " << targets[0].name << ", "
+                                          << dtype_str(dtype) << ", " << weight_kind_str(kind));
+        EXPECT_EQ(detail::float_bits(amax), detail::float_bits(first_amax));
+        EXPECT_EQ(std::memcmp(y.data(), first.data(), cols * sizeof(float)), 0);
+      }
+    }
+  }
 }
 
 // ---- Argument checks -------------------------------------------------------------------------
