@@ -389,12 +389,14 @@ at::Tensor layer_norm_partial_sums(const Context& ctx, const at::Tensor& x) {
   const char* op = "layer_norm_partial_sums";
   const RowView xv = input_rows(op, "x", x);
   at::Tensor sums = new_row_stats(x);
-  call_core([&] { fusednorm::layer_norm_partial_sums(ctx, xv.const_matrix(), sums.data_ptr<float>()); });
+  call_core(
+      [&] { fusednorm::layer_norm_partial_sums(ctx, xv.const_matrix(), sums.data_ptr<float>()); });
   return sums;
 }
 
 at::Tensor layer_norm_partial_squared_deviations(const Context& ctx, const at::Tensor& x,
-                                                 const at::Tensor& row_sum, std::int64_t full_cols) {
+                                                 const at::Tensor& row_sum,
+                                                 std::int64_t full_cols) {
   const char* op = "layer_norm_partial_squared_deviations";
   const RowView xv = input_rows(op, "x", x);
   at::Tensor sum_keep;
@@ -576,9 +578,8 @@ TORCH_LIBRARY(fusednorm, m) {
       "-> (Tensor dx, Tensor dw, Tensor db)",
       tags);
   m.def("layer_norm_partial_sums(Tensor x) -> Tensor", tags);
-  m.def(
-      "layer_norm_partial_squared_deviations(Tensor x, Tensor row_sum, int full_cols) -> Tensor",
-      tags);
+  m.def("layer_norm_partial_squared_deviations(Tensor x, Tensor row_sum, int full_cols) -> Tensor",
+        tags);
   m.def(
       "layer_norm_from_sums(Tensor x, Tensor? weight, Tensor? bias, Tensor row_sum, "
       "Tensor row_sum_squared_deviations, int full_cols, float eps=1e-05) "

@@ -213,16 +213,15 @@ void register_kernels(torch::Library& m) {
            DeviceScope scope(x);
            return layer_norm_backward_partial_sums(scope.ctx, dy, x, weight, mean, rstd);
          });
-  m.impl("layer_norm_backward_from_sums",
-         [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
-            const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& sum_g,
-            const at::Tensor& sum_g_xhat, std::int64_t full_cols, double eps, bool compute_dw,
-            bool compute_db) {
-           DeviceScope scope(x);
-           return layer_norm_backward_from_sums(scope.ctx, dy, x, weight, mean, rstd, sum_g,
-                                                sum_g_xhat, full_cols, eps, compute_dw,
-                                                compute_db);
-         });
+  m.impl(
+      "layer_norm_backward_from_sums",
+      [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight, const at::Tensor& mean,
+         const at::Tensor& rstd, const at::Tensor& sum_g, const at::Tensor& sum_g_xhat,
+         std::int64_t full_cols, double eps, bool compute_dw, bool compute_db) {
+        DeviceScope scope(x);
+        return layer_norm_backward_from_sums(scope.ctx, dy, x, weight, mean, rstd, sum_g,
+                                             sum_g_xhat, full_cols, eps, compute_dw, compute_db);
+      });
 }
 
 }  // namespace fusednorm::torch_ext
