@@ -11,6 +11,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
 
+# ccache: step 5 builds the Python extension, which compiles the library's sources again;
+# with the same flags as step 1 (FUSEDNORM_WERROR below) they come from the cache.
+if ! command -v ccache >/dev/null; then
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  { $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+      $sudo_cmd apt-get install -y -qq ccache >/dev/null; } || echo "test: no ccache (builds uncached)"
+fi
+if command -v ccache >/dev/null; then
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_DIR="$PWD/build/ccache" CCACHE_BASEDIR="$PWD"
+  ccache --zero-stats >/dev/null
+fi
+
 echo "== 1. build and C++ tests (Release)"
 if [ "${FUSEDNORM_CUDA:-AUTO}" != OFF ] && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }; then
   scripts/setup_sass_tools.sh  # cuobjdump / nvdisasm for the SASS checks of the CUDA build
@@ -41,6 +54,7 @@ build/release/tools/fusednorm-bench --rows 64 --dim 1000 --repeat 3
 
 if [ -f scripts/setup_python.sh ] && [ -d tests/python ]; then
   echo "== 5. Python package tests"
-  scripts/setup_python.sh
+  CMAKE_ARGS="${CMAKE_ARGS:-} -DFUSEDNORM_WERROR=ON" scripts/setup_python.sh
+  if command -v ccache >/dev/null; then ccache --show-stats | grep -iE "hits|misses" || true; fi
   .venv/bin/python -m pytest tests/python -q
 fi
