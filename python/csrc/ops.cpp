@@ -385,6 +385,110 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   return {dx, dw, db};
 }
 
+at::Tensor layer_norm_partial_sums(const Context& ctx, const at::Tensor& x) {
+  const char* op = "layer_norm_partial_sums";
+  const RowView xv = input_rows(op, "x", x);
+  at::Tensor sums = new_row_stats(x);
+  call_core(
+      [&] { fusednorm::layer_norm_partial_sums(ctx, xv.const_matrix(), sums.data_ptr<float>()); });
+  return sums;
+}
+
+at::Tensor layer_norm_partial_squared_deviations(const Context& ctx, const at::Tensor& x,
+                                                 const at::Tensor& row_sum,
+                                                 std::int64_t full_cols) {
+  const char* op = "layer_norm_partial_squared_deviations";
+  const RowView xv = input_rows(op, "x", x);
+  at::Tensor sum_keep;
+  const float* sums = required_row_stats(op, "row_sum", row_sum, x, xv.rows, sum_keep);
+  at::Tensor deviations = new_row_stats(x);
+  call_core([&] {
+    fusednorm::layer_norm_partial_squared_deviations(ctx, xv.const_matrix(), sums, full_cols,
+                                                     deviations.data_ptr<float>());
+  });
+  return deviations;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_from_sums(
+    const Context& ctx, const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+    const at::Tensor& row_sum, const at::Tensor& row_sum_squared_deviations, std::int64_t full_cols,
+    double eps) {
+  const char* op = "layer_norm_from_sums";
+  const RowView xv = input_rows(op, "x", x);
+  at::Tensor w_keep, b_keep, sum_keep, dev_keep;
+  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
+  const ConstVector b = optional_vector(op, "bias", bias, x, b_keep);
+  const float* sums = required_row_stats(op, "row_sum", row_sum, x, xv.rows, sum_keep);
+  const float* deviations = required_row_stats(op, "row_sum_squared_deviations",
+                                               row_sum_squared_deviations, x, xv.rows, dev_keep);
+  at::Tensor y;
+  const Matrix yv = new_rows(x, xv.dtype, y);
+  at::Tensor mean = new_row_stats(x);
+  at::Tensor rstd = new_row_stats(x);
+  LayerNormOptions options;
+  options.eps = as_float(eps);
+  call_core([&] {
+    fusednorm::layer_norm_from_sums(ctx, xv.const_matrix(), w, b, yv, sums, deviations, full_cols,
+                                    mean.data_ptr<float>(), rstd.data_ptr<float>(), options);
+  });
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> layer_norm_backward_partial_sums(
+    const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+    const at::Tensor& mean, const at::Tensor& rstd) {
+  const char* op = "layer_norm_backward_partial_sums";
+  const RowView xv = input_rows(op, "x", x);
+  const RowView dyv = matching_rows(op, "dy", dy, x);
+  at::Tensor w_keep, mean_keep, rstd_keep;
+  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
+  const float* mean_data = required_row_stats(op, "mean", mean, x, xv.rows, mean_keep);
+  const float* rstd_data = required_row_stats(op, "rstd", rstd, x, xv.rows, rstd_keep);
+  at::Tensor sum_g = new_row_stats(x);
+  at::Tensor sum_g_xhat = new_row_stats(x);
+  call_core([&] {
+    fusednorm::layer_norm_backward_partial_sums(ctx, dyv.const_matrix(), xv.const_matrix(), w,
+                                                mean_data, rstd_data, sum_g.data_ptr<float>(),
+                                                sum_g_xhat.data_ptr<float>());
+  });
+  return {sum_g, sum_g_xhat};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_from_sums(
+    const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& sum_g,
+    const at::Tensor& sum_g_xhat, std::int64_t full_cols, double eps, bool compute_dw,
+    bool compute_db) {
+  const char* op = "layer_norm_backward_from_sums";
+  const RowView xv = input_rows(op, "x", x);
+  const RowView dyv = matching_rows(op, "dy", dy, x);
+  at::Tensor w_keep, mean_keep, rstd_keep, g_keep, gx_keep;
+  const ConstVector w = optional_vector(op, "weight", weight, x, w_keep);
+  const float* mean_data = required_row_stats(op, "mean", mean, x, xv.rows, mean_keep);
+  const float* rstd_data = required_row_stats(op, "rstd", rstd, x, xv.rows, rstd_keep);
+  const float* g_sums = required_row_stats(op, "sum_g", sum_g, x, xv.rows, g_keep);
+  const float* gx_sums = required_row_stats(op, "sum_g_xhat", sum_g_xhat, x, xv.rows, gx_keep);
+  at::Tensor dx;
+  const Matrix dxv = new_rows(x, xv.dtype, dx);
+  const bool has_weight = w.data != nullptr;
+  at::Tensor dw =
+      (has_weight && compute_dw) ? at::empty({x.size(-1)}, weight->options()) : absent_grad(x);
+  // db takes the weight's dtype (fp32 master weights give an fp32 db), else x's: as
+  // layer_norm_backward.
+  at::Tensor db = compute_db ? at::empty({x.size(-1)}, has_weight ? weight->options() : x.options())
+                             : absent_grad(x);
+  Workspace workspace;
+  at::Tensor workspace_keep = workspace_for(ctx, x, xv.rows, xv.cols, workspace);
+  LayerNormOptions options;
+  options.eps = as_float(eps);
+  call_core([&] {
+    fusednorm::layer_norm_backward_from_sums(ctx, dyv.const_matrix(), xv.const_matrix(), w,
+                                             mean_data, rstd_data, g_sums, gx_sums, full_cols, dxv,
+                                             vector_view(dw), vector_view(db), options, workspace);
+  });
+  return {dx, dw, db};
+}
+
 namespace {
 
 struct CpuScope {
@@ -472,6 +576,23 @@ TORCH_LIBRARY(fusednorm, m) {
       "layer_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? mean, Tensor? rstd, "
       "float eps=1e-05, bool compute_dw=True, bool compute_db=True) "
       "-> (Tensor dx, Tensor dw, Tensor db)",
+      tags);
+  m.def("layer_norm_partial_sums(Tensor x) -> Tensor", tags);
+  m.def("layer_norm_partial_squared_deviations(Tensor x, Tensor row_sum, int full_cols) -> Tensor",
+        tags);
+  m.def(
+      "layer_norm_from_sums(Tensor x, Tensor? weight, Tensor? bias, Tensor row_sum, "
+      "Tensor row_sum_squared_deviations, int full_cols, float eps=1e-05) "
+      "-> (Tensor y, Tensor mean, Tensor rstd)",
+      tags);
+  m.def(
+      "layer_norm_backward_partial_sums(Tensor dy, Tensor x, Tensor? weight, Tensor mean, "
+      "Tensor rstd) -> (Tensor sum_g, Tensor sum_g_xhat)",
+      tags);
+  m.def(
+      "layer_norm_backward_from_sums(Tensor dy, Tensor x, Tensor? weight, Tensor mean, "
+      "Tensor rstd, Tensor sum_g, Tensor sum_g_xhat, int full_cols, float eps=1e-05, "
+      "bool compute_dw=True, bool compute_db=True) -> (Tensor dx, Tensor dw, Tensor db)",
       tags);
   // The Highway target the CPU kernels run on this machine, for benchmark reports.
   m.def("cpu_simd_target() -> str",

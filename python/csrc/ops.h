@@ -69,6 +69,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
     const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
     const OptTensor& mean, const OptTensor& rstd, double eps, bool compute_dw, bool compute_db);
 
+// LayerNorm's phases over a row split by columns, as RMSNorm's above (CPU only in the core).
+at::Tensor layer_norm_partial_sums(const Context& ctx, const at::Tensor& x);
+at::Tensor layer_norm_partial_squared_deviations(const Context& ctx, const at::Tensor& x,
+                                                 const at::Tensor& row_sum, std::int64_t full_cols);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_from_sums(
+    const Context& ctx, const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+    const at::Tensor& row_sum, const at::Tensor& row_sum_squared_deviations, std::int64_t full_cols,
+    double eps);
+std::tuple<at::Tensor, at::Tensor> layer_norm_backward_partial_sums(
+    const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+    const at::Tensor& mean, const at::Tensor& rstd);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_from_sums(
+    const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& sum_g,
+    const at::Tensor& sum_g_xhat, std::int64_t full_cols, double eps, bool compute_dw,
+    bool compute_db);
+
 // Registers every operator for one dispatch key. DeviceScope is constructed from x for the
 // duration of the call (a device guard on CUDA) and exposes the Context as `ctx`.
 template <typename DeviceScope>
@@ -173,6 +190,38 @@ void register_kernels(torch::Library& m) {
     DeviceScope scope(x);
     return layer_norm_backward(scope.ctx, dy, x, weight, mean, rstd, eps, compute_dw, compute_db);
   });
+  m.impl("layer_norm_partial_sums", [](const at::Tensor& x) {
+    DeviceScope scope(x);
+    return layer_norm_partial_sums(scope.ctx, x);
+  });
+  m.impl("layer_norm_partial_squared_deviations",
+         [](const at::Tensor& x, const at::Tensor& row_sum, std::int64_t full_cols) {
+           DeviceScope scope(x);
+           return layer_norm_partial_squared_deviations(scope.ctx, x, row_sum, full_cols);
+         });
+  m.impl("layer_norm_from_sums",
+         [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+            const at::Tensor& row_sum, const at::Tensor& row_sum_squared_deviations,
+            std::int64_t full_cols, double eps) {
+           DeviceScope scope(x);
+           return layer_norm_from_sums(scope.ctx, x, weight, bias, row_sum,
+                                       row_sum_squared_deviations, full_cols, eps);
+         });
+  m.impl("layer_norm_backward_partial_sums",
+         [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
+            const at::Tensor& mean, const at::Tensor& rstd) {
+           DeviceScope scope(x);
+           return layer_norm_backward_partial_sums(scope.ctx, dy, x, weight, mean, rstd);
+         });
+  m.impl(
+      "layer_norm_backward_from_sums",
+      [](const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight, const at::Tensor& mean,
+         const at::Tensor& rstd, const at::Tensor& sum_g, const at::Tensor& sum_g_xhat,
+         std::int64_t full_cols, double eps, bool compute_dw, bool compute_db) {
+        DeviceScope scope(x);
+        return layer_norm_backward_from_sums(scope.ctx, dy, x, weight, mean, rstd, sum_g,
+                                             sum_g_xhat, full_cols, eps, compute_dw, compute_db);
+      });
 }
 
 }  // namespace fusednorm::torch_ext

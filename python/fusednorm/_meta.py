@@ -184,19 +184,63 @@ def _layer_norm_fwd_fake(x, weight, bias, eps=1e-5):
     return x.new_empty(x.shape), _row_stats(x), _row_stats(x)
 
 
-@register_fake("fusednorm::layer_norm_backward")
-def _layer_norm_backward_fake(
-    dy, x, weight, mean, rstd, eps=1e-5, compute_dw=True, compute_db=True
-):
-    _check_x("layer_norm_backward", x)
-    _check_like_x("layer_norm_backward", "dy", dy, x)
-    _check_vector("layer_norm_backward", "weight", weight, x)
+def _layer_norm_grads_fake(op, dy, x, weight, compute_dw, compute_db):
+    _check_x(op, x)
+    _check_like_x(op, "dy", dy, x)
+    _check_vector(op, "weight", weight, x)
     dw = weight.new_empty(weight.shape) if weight is not None and compute_dw else _absent(x)
     if compute_db:
         db = (weight if weight is not None else x).new_empty((x.shape[-1],))
     else:
         db = _absent(x)
     return x.new_empty(x.shape), dw, db
+
+
+@register_fake("fusednorm::layer_norm_backward")
+def _layer_norm_backward_fake(
+    dy, x, weight, mean, rstd, eps=1e-5, compute_dw=True, compute_db=True
+):
+    return _layer_norm_grads_fake("layer_norm_backward", dy, x, weight, compute_dw, compute_db)
+
+
+@register_fake("fusednorm::layer_norm_partial_sums")
+def _layer_norm_partial_sums_fake(x):
+    _check_x("layer_norm_partial_sums", x)
+    return _row_stats(x)
+
+
+@register_fake("fusednorm::layer_norm_partial_squared_deviations")
+def _layer_norm_partial_squared_deviations_fake(x, row_sum, full_cols):
+    _check_x("layer_norm_partial_squared_deviations", x)
+    return _row_stats(x)
+
+
+@register_fake("fusednorm::layer_norm_from_sums")
+def _layer_norm_from_sums_fake(
+    x, weight, bias, row_sum, row_sum_squared_deviations, full_cols, eps=1e-5
+):
+    _check_x("layer_norm_from_sums", x)
+    _check_vector("layer_norm_from_sums", "weight", weight, x)
+    _check_vector("layer_norm_from_sums", "bias", bias, x)
+    return x.new_empty(x.shape), _row_stats(x), _row_stats(x)
+
+
+@register_fake("fusednorm::layer_norm_backward_partial_sums")
+def _layer_norm_backward_partial_sums_fake(dy, x, weight, mean, rstd):
+    _check_x("layer_norm_backward_partial_sums", x)
+    _check_like_x("layer_norm_backward_partial_sums", "dy", dy, x)
+    _check_vector("layer_norm_backward_partial_sums", "weight", weight, x)
+    return _row_stats(x), _row_stats(x)
+
+
+@register_fake("fusednorm::layer_norm_backward_from_sums")
+def _layer_norm_backward_from_sums_fake(
+    dy, x, weight, mean, rstd, sum_g, sum_g_xhat, full_cols, eps=1e-5, compute_dw=True,
+    compute_db=True,
+):
+    return _layer_norm_grads_fake(
+        "layer_norm_backward_from_sums", dy, x, weight, compute_dw, compute_db
+    )
 
 
 # The .out overloads write into the caller's tensors and return nothing. Their fakes repeat

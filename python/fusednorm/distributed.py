@@ -20,7 +20,10 @@ Per mesh dimension, x's placement decides the computation:
   rank normalizes its own slice (``rms_norm_partial_sum_squares`` then
   ``rms_norm_from_sum_squares``). The backward all-reduces one fp32 per row, sum(g * x_hat)
   (``rms_norm_backward_partial_sums`` then ``rms_norm_backward_from_sums``), and dw stays
-  ``Shard(0)`` like the weight. Activations are never gathered.
+  ``Shard(0)`` like the weight. Activations are never gathered. LayerNorm likewise, with two
+  all-reduces of one fp32 per row in the forward (the sums of x, then the squared deviations
+  from the row's mean) and one of two fp32 per row in the backward (sum(g), sum(g * x_hat));
+  dw and db stay ``Shard(0)``. (CPU only: the CUDA backend has no LayerNorm phases yet.)
 
 The gradient reaching an output is redistributed to x's placements before the backward
 (DTensor's own rules: a Partial gradient is reduce-scattered, a Replicate one sliced).
@@ -290,11 +293,38 @@ def _apply(x, residual, weight, eps, weight_offset, layout):
 # ---- LayerNorm ----------------------------------------------------------------------------
 
 
+def _layer_forward(x, weight, bias, eps, layout):
+    """Local LayerNorm forward; returns (y, mean, rstd). Hidden-sharded: two all-reduces of
+    one fp32 per row, the sums of x, then the squared deviations from the row's mean (the
+    variance is taken about the whole row's mean, not merged from slice moments, so it has the
+    one-call numerics)."""
+    ops = torch.ops.fusednorm
+    if layout.hidden_mesh_dim is None:
+        return ops.layer_norm_fwd(x, weight, bias, eps)
+    total = _row_sum_all_reduce(ops.layer_norm_partial_sums(x), layout)
+    partial = ops.layer_norm_partial_squared_deviations(x, total, layout.full_cols)
+    deviations = _row_sum_all_reduce(partial, layout)
+    return ops.layer_norm_from_sums(x, weight, bias, total, deviations, layout.full_cols, eps)
+
+
+def _layer_backward(dy, x, weight, mean, rstd, eps, compute_dw, compute_db, layout):
+    """Hidden-sharded: one all-reduce of two fp32 per row, sum(g) and sum(g * x_hat)."""
+    ops = torch.ops.fusednorm
+    if layout.hidden_mesh_dim is None:
+        return ops.layer_norm_backward(dy, x, weight, mean, rstd, eps, compute_dw, compute_db)
+    sum_g, sum_g_xhat = ops.layer_norm_backward_partial_sums(dy, x, weight, mean, rstd)
+    sums = _row_sum_all_reduce(torch.stack((sum_g, sum_g_xhat)), layout)
+    return ops.layer_norm_backward_from_sums(
+        dy, x, weight, mean, rstd, sums[0], sums[1], layout.full_cols, eps, compute_dw,
+        compute_db,
+    )
+
+
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, layout):
         x_local, w_local, b_local = x.to_local(), _local(weight), _local(bias)
-        y, mean, rstd = torch.ops.fusednorm.layer_norm_fwd(x_local, w_local, b_local, eps)
+        y, mean, rstd = _layer_forward(x_local, w_local, b_local, eps, layout)
         ctx.layout, ctx.eps, ctx.global_shape = layout, eps, x.shape
         ctx.bias_dtype = None if bias is None else b_local.dtype
         ctx.save_for_backward(x_local, w_local, mean, rstd)
@@ -306,8 +336,8 @@ class _LayerNorm(torch.autograd.Function):
         x, w, mean, rstd = ctx.saved_tensors
         want_x, want_dw, want_db = ctx.needs_input_grad[:3]
         dy_local = _as_dtype(_grad_local(dy, layout), x)
-        dx, dw, db = torch.ops.fusednorm.layer_norm_backward(
-            dy_local, x, w, mean, rstd, ctx.eps, w is not None and want_dw, want_db
+        dx, dw, db = _layer_backward(
+            dy_local, x, w, mean, rstd, ctx.eps, w is not None and want_dw, want_db, layout
         )
         if want_db and db.dtype != ctx.bias_dtype:
             db = db.to(ctx.bias_dtype)
@@ -322,16 +352,9 @@ class _LayerNorm(torch.autograd.Function):
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5):
-    """``fusednorm.layer_norm`` for a DTensor x, rows sharded or replicated. A hidden-sharded
-    x (``Shard(-1)``) needs the LayerNorm two-phase entry points, which the C++ API does not
-    have yet: it raises instead of gathering the activation."""
+    """``fusednorm.layer_norm`` for a DTensor x (see the module docstring). Hidden-sharded
+    (``Shard(-1)``) rows run on the CPU only: the CUDA backend has no LayerNorm phases yet."""
     layout, x = _prepare("layer_norm", x)
-    if layout.hidden_mesh_dim is not None:
-        raise NotImplementedError(
-            "fusednorm::layer_norm: argument 'x': a DTensor sharded over its last dimension "
-            "(Shard(-1)) is not supported yet (the LayerNorm two-phase entry points are "
-            "missing); redistribute x to a row sharding or Replicate() first"
-        )
     w = _as_layout("layer_norm", "weight", weight, layout, layout.weight)
     b = _as_layout("layer_norm", "bias", bias, layout, layout.weight)
     return _LayerNorm.apply(x, w, b, eps, layout)

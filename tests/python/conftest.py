@@ -18,6 +18,28 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (the kernels round once; torch's and HF's stepwise code rounds intermediate values).
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
+# The tiny decoder configuration every Hugging Face test builds (no download): two layers,
+# hidden 64, grouped-query attention; shared so that the single-process, distributed and
+# quantized tests run the same model.
+TINY_HF_CONFIG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
+
+
+def tiny_llama():
+    """A randomly initialised LlamaForCausalLM of TINY_HF_CONFIG (needs transformers)."""
+    import transformers
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF_CONFIG))
+
+
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not fusednorm.has_cuda(),
     reason=(

@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+from conftest import TINY_HF_CONFIG, tiny_llama
 from dist_harness import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -24,24 +25,12 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 TOL = 1e-5
 STEPS = 3
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
-
-
 def _models():
     """(model patched by fusednorm, unpatched reference), same weights."""
     import fusednorm
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+    model = tiny_llama()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -56,7 +45,7 @@ def _models():
 
 def _batches(batch: int, seq: int = 8):
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, SMALL["vocab_size"], (batch, seq), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, TINY_HF_CONFIG["vocab_size"], (batch, seq), generator=g) for _ in range(STEPS)]
 
 
 def _full(t):

@@ -59,6 +59,63 @@ def test_opcheck_backward_with_addend_and_two_phase_ops():
         )
 
 
+def _layer_norm_phases(x, w, b, eps, slices):
+    """LayerNorm of x by its phase operators over column slices (the sums added here, as
+    fusednorm.distributed adds them across ranks); returns y and (dx, dw, db) for dy."""
+    D = x.shape[-1]
+    parts = [slice(i * D // slices, (i + 1) * D // slices) for i in range(slices)]
+    total = sum(ops.layer_norm_partial_sums(x[..., c].contiguous()) for c in parts)
+    deviations = sum(
+        ops.layer_norm_partial_squared_deviations(x[..., c].contiguous(), total, D) for c in parts
+    )
+    outs = [
+        ops.layer_norm_from_sums(x[..., c].contiguous(), w[c], b[c], total, deviations, D, eps)
+        for c in parts
+    ]
+    y = torch.cat([o[0] for o in outs], dim=-1)
+    return y, outs[0][1], outs[0][2], parts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_norm_phases(dtype):
+    x, _, w = _inputs((3, 5, 40), dtype)
+    b = (0.3 * torch.randn(40)).to(dtype)
+    dy = torch.randn_like(x)
+    y_ref, mean_ref, rstd_ref = ops.layer_norm_fwd(x, w, b, 1e-5)
+    dx_ref, dw_ref, db_ref = ops.layer_norm_backward(dy, x, w, mean_ref, rstd_ref, 1e-5, True, True)
+    # One slice: the one-call bits (the same sums in the same order).
+    y, mean, rstd, _ = _layer_norm_phases(x, w, b, 1e-5, 1)
+    assert torch.equal(y, y_ref) and torch.equal(mean, mean_ref) and torch.equal(rstd, rstd_ref)
+    # Two slices: sums split in two, so fp32 tolerance; the backward from the whole row's sums.
+    y, mean, rstd, parts = _layer_norm_phases(x, w, b, 1e-5, 2)
+    assert_close_normalized(y, y_ref, TOL[dtype])
+    sums = [ops.layer_norm_backward_partial_sums(dy[..., c], x[..., c], w[c], mean, rstd) for c in parts]
+    sum_g, sum_g_xhat = sum(s[0] for s in sums), sum(s[1] for s in sums)
+    grads = [
+        ops.layer_norm_backward_from_sums(
+            dy[..., c].contiguous(), x[..., c].contiguous(), w[c], mean, rstd, sum_g, sum_g_xhat,
+            40, 1e-5, True, True,
+        )
+        for c in parts
+    ]
+    assert_close_normalized(torch.cat([g[0] for g in grads], -1), dx_ref, TOL[dtype])
+    assert_close_normalized(torch.cat([g[1] for g in grads]), dw_ref, TOL[dtype])
+    assert_close_normalized(torch.cat([g[2] for g in grads]), db_ref, TOL[dtype])
+    torch.library.opcheck(ops.layer_norm_partial_sums.default, (x,))
+    total = ops.layer_norm_partial_sums(x)
+    torch.library.opcheck(ops.layer_norm_partial_squared_deviations.default, (x, total, 40))
+    dev = ops.layer_norm_partial_squared_deviations(x, total, 40)
+    torch.library.opcheck(ops.layer_norm_from_sums.default, (x, w, b, total, dev, 40, 1e-5))
+    torch.library.opcheck(ops.layer_norm_from_sums.default, (x, None, None, total, dev, 40, 1e-5))
+    torch.library.opcheck(ops.layer_norm_backward_partial_sums.default, (dy, x, w, mean_ref, rstd_ref))
+    torch.library.opcheck(
+        ops.layer_norm_backward_from_sums.default,
+        (dy, x, w, mean_ref, rstd_ref, sum_g, sum_g_xhat, 40, 1e-5, True, False),
+    )
+    with pytest.raises(RuntimeError, match="layer_norm_from_sums.*'row_sum'"):
+        ops.layer_norm_from_sums(x, w, b, total[:2], dev, 40, 1e-5)
+
+
 # ---- the functional fused add -----------------------------------------------------------
 
 

@@ -6,44 +6,29 @@ import copy
 
 import pytest
 import torch
-from conftest import TOL, assert_close_normalized
+from conftest import TINY_HF_CONFIG, TOL, assert_close_normalized, tiny_llama
 
 import fusednorm
 from fusednorm.hf import HFRMSNorm
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
-
-
-def _llama():
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
-
 
 def _gemma():
-    return transformers.GemmaForCausalLM(transformers.GemmaConfig(**SMALL))
+    return transformers.GemmaForCausalLM(transformers.GemmaConfig(**TINY_HF_CONFIG))
 
 
 def _qwen3():
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL))
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY_HF_CONFIG))
 
 
 def _gemma3():
-    config = transformers.Gemma3TextConfig(**SMALL, sliding_window=16)
+    config = transformers.Gemma3TextConfig(**TINY_HF_CONFIG, sliding_window=16)
     return transformers.Gemma3ForCausalLM(config)
 
 
 MODELS = {
-    "llama": (_llama, "LlamaRMSNorm", 2 * 2 + 1),
+    "llama": (tiny_llama, "LlamaRMSNorm", 2 * 2 + 1),
     "gemma": (_gemma, "GemmaRMSNorm", 2 * 2 + 1),
     "qwen3": (_qwen3, "Qwen3RMSNorm", 2 * 4 + 1),  # + q_norm / k_norm over head_dim
     "gemma3": (_gemma3, "Gemma3RMSNorm", 2 * 6 + 1),  # 4 norms per layer + q/k norms
@@ -79,7 +64,7 @@ def _patch_and_check_structure(model, arch):
 
 
 def _ids():
-    return torch.randint(0, SMALL["vocab_size"], (2, 12))
+    return torch.randint(0, TINY_HF_CONFIG["vocab_size"], (2, 12))
 
 
 @pytest.mark.parametrize("arch", MODELS, ids=str)
@@ -168,7 +153,7 @@ def test_patch_hf_module_details():
     assert "GemmaRMSNorm" in repr(norm)
     assert fusednorm.patch_hf(model) == []  # idempotent
 
-    llama = _llama()
+    llama = tiny_llama()
     fusednorm.patch_hf(llama)
     norm = llama.model.norm
     assert norm.weight_offset == 0.0 and norm.variance_epsilon == llama.config.rms_norm_eps
@@ -236,7 +221,7 @@ def test_patch_hf_fuses_the_residual_add(arch):
     layers = model.model.layers
     fused = FUSED_LAYERS[arch]
     assert all(type(layer).__name__.startswith("FusedAdd") == fused for layer in layers)
-    ids = torch.randint(0, SMALL["vocab_size"], (2, 6))
+    ids = torch.randint(0, TINY_HF_CONFIG["vocab_size"], (2, 6))
     with _OpCounter() as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     fused_calls = counter.counts.get("fusednorm.fused_add_rms_norm_fwd", 0)
