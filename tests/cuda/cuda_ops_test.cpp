@@ -914,12 +914,13 @@ TEST(CudaQuant, EveryKernelKindMatchesReference) {
   }
 }
 
-// The two-pass kernel (staging off): the dynamic amax pass reads x from device memory again.
+// The two-pass kernel (staging off; bf16 32768 and unaligned fp32 12288 exceed register rows):
+// the dynamic amax pass reads x from device memory again.
 TEST(CudaQuant, TwoPassKernelMatchesReference) {
   REQUIRE_GPU();
   setenv("FUSEDNORM_CUDA_STAGED_ROWS", "0", 1);
   for (const Case& c :
-       {Case{DType::kBFloat16, 3, 16384, 8}, Case{DType::kFloat32, 3, 12288, 3, 1, false}}) {
+       {Case{DType::kBFloat16, 3, 32768, 8}, Case{DType::kFloat32, 3, 12288, 3, 1, false}}) {
     for (const QuantCall& call : kind_calls()) {
       SCOPED_TRACE(c.name() + " " + call.name());
       check_quant(c, call);
