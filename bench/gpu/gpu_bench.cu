@@ -95,6 +95,74 @@ void fill_random(void* dev, DType dtype, std::int64_t n, unsigned seed) {
   }
 }
 
+// The quantized RMSNorm (issue 9) at vLLM's serving shapes (tokens x hidden): static and
+// dynamic scales, int8 and FP8, with and without the fused residual add, beside the
+// unquantized rms_norm / fused_add_rms_norm of the same shapes. Bytes: x read, q written (1
+// byte per element), the weight, the scales (dynamic: 4 bytes per row written; static: 4
+// read); the fused add also reads and writes the residual.
+void quantized_ops(Timer& timer, const Context& ctx, const cuda::DeviceInfo& dev) {
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    const std::size_t es = dtype_size(dt);
+    for (std::int64_t cols : {4096, 8192}) {
+      for (std::int64_t rows : {1, 16, 256, 4096}) {
+        const std::int64_t n = rows * cols;
+        void *x, *r, *y, *q, *w;
+        float *scales, *static_scale;
+        CHECK(cudaMalloc(&x, n * es));
+        CHECK(cudaMalloc(&r, n * es));
+        CHECK(cudaMalloc(&y, n * es));
+        CHECK(cudaMalloc(&q, n));
+        CHECK(cudaMalloc(&w, cols * es));
+        CHECK(cudaMalloc(&scales, rows * 4));
+        CHECK(cudaMalloc(&static_scale, 4));
+        fill_random(x, dt, n, 1);
+        fill_random(r, dt, n, 2);
+        fill_random(w, dt, cols, 4);
+        const float scale_value = 0.02f;
+        CHECK(cudaMemcpy(static_scale, &scale_value, 4, cudaMemcpyHostToDevice));
+        const ConstMatrix xm = const_matrix(x, dt, rows, cols);
+        const Matrix rm = matrix(r, dt, rows, cols);
+        const ConstVector wv{w, dt, cols};
+        const double io = static_cast<double>(n) * es, qb = static_cast<double>(n), pv = static_cast<double>(cols) * es;
+        const cuda::ProblemShape shape{rows, cols, static_cast<int>(es), true, 0};
+        const cuda::LaunchPlan plan = cuda::plan_forward(shape, dev);
+        const std::string plan_name = std::string(cuda::kernel_kind_name(plan.kind)) + "/v" + std::to_string(plan.vec) +
+                                      "k" + std::to_string(plan.vecs_per_thread) + "t" +
+                                      std::to_string(plan.team_threads) + "x" + std::to_string(plan.rows_per_cta) +
+                                      "c" + std::to_string(plan.cluster_size) + "g" + std::to_string(plan.grid);
+        auto report = [&](const std::string& op, double bytes, const std::function<void()>& fn) {
+          const double us = timer.median_us(fn);
+          CHECK(cudaGetLastError());
+          std::printf("fusednorm,%s,%s,%lld,%lld,%.3f,%.1f,%s\n", op.c_str(), dtype_name(dt),
+                      static_cast<long long>(rows), static_cast<long long>(cols), us, bytes / us / 1e3,
+                      plan_name.c_str());
+          std::fflush(stdout);
+        };
+        report("rms_norm", 2 * io + pv, [&] { rms_norm(ctx, xm, wv, matrix(y, dt, rows, cols), nullptr); });
+        report("fused_add_rms_norm", 4 * io + pv,
+               [&] { fused_add_rms_norm(ctx, xm, rm, wv, matrix(y, dt, rows, cols), nullptr); });
+        for (DType qdt : {DType::kInt8, DType::kFloat8E4M3}) {
+          const Matrix qm = matrix(q, qdt, rows, cols);
+          for (bool dynamic : {false, true}) {
+            QuantScale qs;
+            if (dynamic) qs.row_scales = scales; else qs.static_scale = static_scale;
+            const std::string suffix = std::string("_") + (qdt == DType::kInt8 ? "int8" : "fp8") +
+                                       (dynamic ? "_dynamic" : "_static");
+            const double scale_bytes = dynamic ? 4.0 * rows : 4.0;
+            report("rms_norm_quant" + suffix, io + qb + pv + scale_bytes,
+                   [&] { rms_norm_quant(ctx, xm, wv, qm, qs); });
+            report("fused_add_rms_norm_quant" + suffix, 3 * io + qb + pv + scale_bytes,
+                   [&] { fused_add_rms_norm_quant(ctx, xm, rm, wv, qm, qs); });
+          }
+        }
+        for (void* p : {x, r, y, q, w}) cudaFree(p);
+        cudaFree(scales);
+        cudaFree(static_scale);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -228,5 +296,6 @@ int main(int argc, char** argv) {
       cudaFree(rstd);
     }
   }
+  quantized_ops(timer, ctx, dev);
   return 0;
 }

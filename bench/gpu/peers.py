@@ -194,6 +194,18 @@ def main():
                     line.append("-" if c is None else f"{c['us']:.1f} ({c['pct_copy']:.0f}%)")
                 print(" | ".join(line))
 
+    # The quantized RMSNorm (issue 9): fusednorm only (no peer here), vLLM's shapes, beside
+    # the unquantized op of the same shape. Bytes: x read + q written (+ residual, weight, scales).
+    quant = [r for r in fused_rows if "_quant_" in r["op"]]
+    if quant:
+        print()
+        print("quantized RMSNorm: op | dtype | rows x D | us | % of copy | plan")
+        for row in quant:
+            gbps = float(row["gbps"])
+            pct = 100.0 * gbps / fused_copy if fused_copy else float("nan")
+            print(f"{row['op']} | {row['dtype']} | {row['rows']}x{row['cols']} | {float(row['us']):.1f} | "
+                  f"{pct:.0f}% | {row.get('plan', '')}")
+
 
 if __name__ == "__main__":
     main()

@@ -83,11 +83,6 @@ void run(const char* op, const Context& ctx, const ForwardProblem& problem) {
     return;
   }
 #ifdef FUSEDNORM_WITH_CUDA
-  // Until the CUDA backend has the quantized kernels (issue 9, branch quant-cuda, which
-  // removes this check).
-  if (problem.is_quantized()) {
-    detail::fail(op, "ctx.device", "the CUDA backend has no quantized kernels yet");
-  }
   cuda::forward(op, problem, ctx.cuda_stream);
 #endif
 }

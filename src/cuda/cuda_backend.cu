@@ -114,9 +114,14 @@ std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
 void forward(const char* op, const ForwardProblem& p, void* stream) {
   check_phase_supported(op, p.kind, p.phase);
   if (p.rows() == 0) return;
-  const ProblemShape shape = problem_shape(
+  ProblemShape shape = problem_shape(
       p.x, {p.x.data, p.residual.data, p.y.data, p.weight.data, p.bias.data},
-      {p.x.row_stride, p.has_residual() ? p.residual.row_stride : 0, p.y.row_stride});
+      {p.x.row_stride, p.has_residual() ? p.residual.row_stride : 0, p.y.data != nullptr ? p.y.row_stride : 0});
+  // The quantized output is stored kVec bytes at a time (8 for 16-bit x, 4 for fp32).
+  if (p.is_quantized()) {
+    shape.vector_aligned =
+        shape.vector_aligned && quantized_output_aligned(shape.elem_bytes, p.q.data, p.q.row_stride);
+  }
   PlanOptions options = plan_options();
   options.two_pass_only = p.phase != detail::Phase::kWhole;
   const LaunchPlan plan = plan_forward(shape, device_info(op), options);
@@ -142,10 +147,21 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
   a.partial_sum_squares = p.phase == detail::Phase::kPartialSums ? p.partial_sums : nullptr;
   a.row_sum_squares = p.phase == detail::Phase::kFromSums ? p.row_sum_squares : nullptr;
   a.full_cols = p.full_cols;
+  if (p.is_quantized()) {
+    // Scale pointers are device pointers, read by the kernels (never here: a CUDA graph
+    // replays with the value the static scale holds at replay time).
+    a.quant.q = p.q.data;
+    a.quant.q_stride = p.q.row_stride;
+    a.quant.fp8 = p.q.dtype == DType::kFloat8E4M3;
+    a.quant.static_scale = p.quant_scale.static_scale;
+    a.quant.row_scales = p.quant_scale.row_scales;
+    a.quant.scale_upper_bound = p.quant_scale.scale_upper_bound;
+  }
 
   const auto s = static_cast<cudaStream_t>(stream);
   check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {
-          return launch_forward<typename decltype(tag)::type>(plan, a, s);
+          using T = typename decltype(tag)::type;
+          return p.is_quantized() ? launch_forward_quant<T>(plan, a, s) : launch_forward<T>(plan, a, s);
         }));
 }
 

@@ -6,6 +6,16 @@
 
 namespace fusednorm::cuda {
 
+// The quantized forward's output (fusednorm.h's QuantScale; RMSNorm only): q replaces y.
+struct QuantArgs {
+  void* q;  // rows x cols bytes, int8 or FP8 E4M3FN
+  std::int64_t q_stride;
+  bool fp8;                   // FP8 E4M3FN, else int8
+  const float* static_scale;  // device pointer, read in the kernel (CUDA graphs); null: dynamic
+  float* row_scales;          // dynamic: one fp32 scale per row
+  const float* scale_upper_bound;  // dynamic, nullable: bounds each row's amax
+};
+
 // Device pointers and scalars of one forward call, passed by value to every kernel.
 struct ForwardArgs {
   bool centered;  // LayerNorm
@@ -31,6 +41,7 @@ struct ForwardArgs {
   float* partial_sum_squares;
   const float* row_sum_squares;
   std::int64_t full_cols;
+  QuantArgs quant;  // used by the quantized kernels (ForwardVariant::kQuant) only
 };
 
 struct BackwardArgs {

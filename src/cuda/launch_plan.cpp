@@ -115,6 +115,11 @@ bool can_vectorize(int elem_bytes, std::int64_t cols, std::initializer_list<cons
   return true;
 }
 
+bool quantized_output_aligned(int elem_bytes, const void* q, std::int64_t q_row_stride) {
+  const int vec_bytes = full_vector(elem_bytes);
+  return reinterpret_cast<std::uintptr_t>(q) % vec_bytes == 0 && q_row_stride % vec_bytes == 0;
+}
+
 std::int64_t max_partial_slots(std::int64_t rows, std::int64_t cols) {
   const std::int64_t by_size = (std::int64_t{1} << 24) / std::max<std::int64_t>(cols, 1);
   return std::max<std::int64_t>(1, std::min({rows, std::int64_t{1024}, by_size}));

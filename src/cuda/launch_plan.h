@@ -112,6 +112,12 @@ constexpr int full_vector(int elem_bytes) { return 16 / elem_bytes; }
 bool can_vectorize(int elem_bytes, std::int64_t cols, std::initializer_list<const void*> pointers,
                    std::initializer_list<std::int64_t> row_strides);
 
+// The quantized forward stores q (1 byte per element) with the vector width of x's loads:
+// full_vector(elem_bytes) bytes per access (8 for 16-bit x, 4 for fp32). Possible when q's
+// address and row stride (in bytes) are multiples of that width; can_vectorize covers the
+// rest of the call.
+bool quantized_output_aligned(int elem_bytes, const void* q, std::int64_t q_row_stride);
+
 // Choices that are not the problem's or the device's: switches for A/B measurements.
 struct PlanOptions {
   // false: rows beyond register capacity take the two-pass kernels instead of being staged

@@ -16,6 +16,11 @@ namespace fusednorm::cuda {
 template <typename T>
 cudaError_t launch_forward(const LaunchPlan& plan, const ForwardArgs& args, cudaStream_t stream);
 
+// The quantized RMSNorm forward: args.quant.q replaces args.y.
+template <typename T>
+cudaError_t launch_forward_quant(const LaunchPlan& plan, const ForwardArgs& args,
+                                 cudaStream_t stream);
+
 // Where the finished dw / db go (nullable), in their own dtypes.
 struct BackwardOutputs {
   void* dw;

@@ -51,6 +51,8 @@ template <>
 struct RawWord<4> { using type = std::uint32_t; };
 template <>
 struct RawWord<2> { using type = std::uint16_t; };
+template <>
+struct RawWord<1> { using type = std::uint8_t; };
 
 // kVec consecutive elements, moved as one access of kVec * sizeof(T) bytes (16 bytes when
 // vectorized) and kept packed in registers until used.
@@ -110,20 +112,29 @@ __device__ __forceinline__ void load_param(const void* p, bool is_f32, std::int6
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Sums kN values over a team of `team` threads and gives every team member the totals.
-// A team of <= 32 threads is an aligned group of lanes of one warp (team a power of two);
+// Team reductions: a sum (the norms' statistics) or a maximum (the quantized forward's
+// amax of |y|; fmaxf ignores NaN, as the quantization contract asks).
+struct SumOp {
+  static __device__ __forceinline__ float apply(float a, float b) { return a + b; }
+};
+struct MaxOp {
+  static __device__ __forceinline__ float apply(float a, float b) { return fmaxf(a, b); }
+};
+
+// Reduces kN values over a team of `team` threads with Op and gives every team member the
+// results. A team of <= 32 threads is an aligned group of lanes of one warp (team a power of two);
 // a larger one is blockDim.x == team whole warps, one team per threadIdx.y. All threads
-// of the CTA must call this together. The order of additions is fixed by the team size,
+// of the CTA must call this together. The order of operations is fixed by the team size,
 // so results are reproducible run to run; the xor butterfly gives all lanes the same bits
-// (each step adds the same two values, commutatively). `scratch` holds 32 * kN floats.
+// (each step combines the same two values, commutatively). `scratch` holds 32 * kN floats.
 // (cub::WarpReduce returns the total in lane 0 only and fixes the width at compile time;
 // the team width here is a run-time choice of the planner.)
-template <int kN>
-__device__ __forceinline__ void team_sum(float (&v)[kN], int team, float* scratch) {
+template <typename Op, int kN>
+__device__ __forceinline__ void team_reduce(float (&v)[kN], int team, float* scratch) {
   const int width = team < 32 ? team : 32;
   for (int offset = width / 2; offset > 0; offset /= 2) {
 #pragma unroll
-    for (int k = 0; k < kN; ++k) v[k] += __shfl_xor_sync(kFullMask, v[k], offset);
+    for (int k = 0; k < kN; ++k) v[k] = Op::apply(v[k], __shfl_xor_sync(kFullMask, v[k], offset));
   }
   if (team <= 32) return;
   const int tid = threadIdx.x + threadIdx.y * blockDim.x;
@@ -138,10 +149,15 @@ __device__ __forceinline__ void team_sum(float (&v)[kN], int team, float* scratc
   const int first = threadIdx.y * warps;
 #pragma unroll
   for (int k = 0; k < kN; ++k) {
-    float total = 0.0f;
-    for (int w = 0; w < warps; ++w) total += scratch[k * 32 + first + w];
+    float total = scratch[k * 32 + first];
+    for (int w = 1; w < warps; ++w) total = Op::apply(total, scratch[k * 32 + first + w]);
     v[k] = total;
   }
+}
+
+template <int kN>
+__device__ __forceinline__ void team_sum(float (&v)[kN], int team, float* scratch) {
+  team_reduce<SumOp>(v, team, scratch);
 }
 
 // mean and rstd of a row held in registers (kK packs of kVec elements per thread, the
@@ -218,11 +234,12 @@ __device__ __forceinline__ RowSlice row_slice(std::int64_t nvec, std::int64_t sl
   return s;
 }
 
-// The CTA's (or, for a cluster, the whole row's) totals of v; every thread gets them.
-// scratch: 32 * kN floats; cluster_slot: 2 * kN floats of static shared memory.
-template <RowStorage kStorage, int kN>
+// The CTA's (or, for a cluster, the whole row's) totals of v (sums, or Op's reduction);
+// every thread gets them. scratch: 32 * kN floats; cluster_slot: 2 * kN floats of static
+// shared memory.
+template <RowStorage kStorage, typename Op = SumOp, int kN>
 __device__ __forceinline__ void row_total(float (&v)[kN], float* scratch, float* cluster_slot) {
-  team_sum(v, blockDim.x, scratch);
+  team_reduce<Op>(v, blockDim.x, scratch);
   if constexpr (kStorage == RowStorage::kCluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
@@ -236,9 +253,9 @@ __device__ __forceinline__ void row_total(float (&v)[kN], float* scratch, float*
       // Every CTA adds the same partials in rank order: the same bits everywhere.
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
-        float total = 0.0f;
-        for (unsigned rank = 0; rank < cluster.num_blocks(); ++rank) {
-          total += *cluster.map_shared_rank(cluster_slot + k, rank);
+        float total = *cluster.map_shared_rank(cluster_slot + k, 0u);
+        for (unsigned rank = 1; rank < cluster.num_blocks(); ++rank) {
+          total = Op::apply(total, *cluster.map_shared_rank(cluster_slot + k, rank));
         }
         cluster_slot[kN + k] = total;
       }

@@ -12,33 +12,77 @@
 #include "cuda/kernel_args.h"
 #include "cuda/launch_plan.h"
 #include "cuda/norm_common.cuh"
+#include "cuda/quantize.cuh"
 
 namespace fusednorm::cuda {
 
 // What a forward kernel computes, fixed at compile time: a missing weight or bias is a
-// kernel of its own rather than a per-element branch.
-template <bool kCentered_, bool kResidual_, bool kWeight_, bool kBias_>
+// kernel of its own rather than a per-element branch. kQuant (RMSNorm): the output is q,
+// y quantized (QuantArgs), instead of y; static or dynamic scale and int8 or FP8 are
+// warp-uniform run-time branches of the same kernel (src/cuda/NOTES.md: instantiations).
+template <bool kCentered_, bool kResidual_, bool kWeight_, bool kBias_, bool kQuant_ = false>
 struct ForwardVariant {
   static constexpr bool kCentered = kCentered_;  // LayerNorm (subtract the mean)
   static constexpr bool kResidual = kResidual_;  // fused residual add (RMSNorm)
   static constexpr bool kWeight = kWeight_;
   static constexpr bool kBias = kBias_;
+  static constexpr bool kQuant = kQuant_;
+  static_assert(!(kQuant_ && (kCentered_ || kBias_)), "the quantized forward is RMSNorm's");
 };
 
-// The elementwise output of a normalized row: (x - mean) * rstd [* w] [+ b].
+// The fp32 output of a normalized row, before any rounding: (x - mean) * rstd [* w] [+ b].
+// The one definition of y: stored (rounded to T), or quantized.
 template <typename V, typename T, int kVec>
-__device__ __forceinline__ void normalize_store(const Pack<T, kVec>& v, const float (&w)[kVec],
-                                                const float (&b)[kVec], float mean, float rstd,
-                                                T* dst) {
-  Pack<T, kVec> out;
+__device__ __forceinline__ void normalized(const Pack<T, kVec>& v, const float (&w)[kVec], const float (&b)[kVec],
+                                           float mean, float rstd, float (&y)[kVec]) {
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
     float o = (V::kCentered ? v.get(i) - mean : v.get(i)) * rstd;
     if constexpr (V::kWeight) o *= w[i];
     if constexpr (V::kBias) o += b[i];
-    out.set(i, o);
+    y[i] = o;
   }
+}
+
+template <typename V, typename T, int kVec>
+__device__ __forceinline__ void normalize_store(const Pack<T, kVec>& v, const float (&w)[kVec],
+                                                const float (&b)[kVec], float mean, float rstd,
+                                                T* dst) {
+  float y[kVec];
+  normalized<V>(v, w, b, mean, rstd, y);
+  Pack<T, kVec> out;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) out.set(i, y[i]);
   out.store(dst);
+}
+
+// The weight and bias of the kVec columns from `col` on (those the variant has).
+template <typename V, typename T, int kVec>
+__device__ __forceinline__ void load_params(const ForwardArgs& a, std::int64_t col, float (&w)[kVec],
+                                            float (&b)[kVec]) {
+  if constexpr (V::kWeight) load_param<T, kVec>(a.weight, a.weight_f32, col, a.weight_offset, w);
+  if constexpr (V::kBias) load_param<T, kVec>(a.bias, a.bias_f32, col, 0.0f, b);
+}
+
+// max over the pack of |y| (NaN ignored: fmaxf returns the other operand), into amax.
+template <typename V, typename T, int kVec>
+__device__ __forceinline__ void pack_amax(const ForwardArgs& a, const Pack<T, kVec>& v, std::int64_t col,
+                                          float rstd, float& amax) {
+  float w[kVec], b[kVec], y[kVec];
+  load_params<V, T, kVec>(a, col, w, b);
+  normalized<V>(v, w, b, 0.0f, rstd, y);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) amax = fmaxf(amax, fabsf(y[i]));
+}
+
+// q of the pack's kVec columns from `col` on, in the row at q_row.
+template <typename V, typename T, int kVec>
+__device__ __forceinline__ void pack_quantize_store(const ForwardArgs& a, const Pack<T, kVec>& v, std::int64_t col,
+                                                    float rstd, float inv_scale, std::uint8_t* q_row) {
+  float w[kVec], b[kVec], y[kVec];
+  load_params<V, T, kVec>(a, col, w, b);
+  normalized<V>(v, w, b, 0.0f, rstd, y);
+  quantize_store(y, inv_scale, a.quant.fp8, q_row + col);
 }
 
 // residual <- round(x + residual); v becomes the stored (rounded) residual.
@@ -62,6 +106,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
   const int team = blockDim.x;
   const std::int64_t nvec = a.cols / kVec;
   const float cols = static_cast<float>(a.cols);
+  // Quantized output: the static scale is read here, on the device (a graph replays with
+  // the value the pointer holds at replay time).
+  [[maybe_unused]] const bool dynamic = V::kQuant && a.quant.static_scale == nullptr;
+  [[maybe_unused]] const float static_scale = V::kQuant && !dynamic ? *a.quant.static_scale : 1.0f;
 
   for (std::int64_t g = blockIdx.x; g < row_groups; g += gridDim.x) {
     const std::int64_t row = g * blockDim.y + threadIdx.y;
@@ -91,15 +139,39 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
     const float2 stats = register_row_stats<V::kCentered>(v, nvec, team, scratch, cols, a.eps);
     const float mean = stats.x, rstd = stats.y;
 
-    if (row_ok) {
+    if constexpr (V::kQuant) {
+      // Dynamic: the row's amax of |y| from the registers (x is still read once), a second
+      // team reduction, then y again (the same operations: the same bits) for q.
+      float scale = static_scale;
+      if (dynamic) {
+        float amax[1] = {0.0f};
+#pragma unroll
+        for (int k = 0; k < kK; ++k) {
+          const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
+          if (row_ok && j < nvec) pack_amax<V>(a, v[k], j * kVec, rstd, amax[0]);
+        }
+        team_reduce<MaxOp>(amax, team, scratch);
+        scale = dynamic_row_scale(amax[0], a.quant);
+      }
+      const float inv_scale = 1.0f / scale;  // once per row, correctly rounded
+      if (row_ok) {
+        std::uint8_t* q = row_ptr<std::uint8_t>(a.quant.q, row, a.quant.q_stride);
+#pragma unroll
+        for (int k = 0; k < kK; ++k) {
+          const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
+          if (j < nvec) pack_quantize_store<V>(a, v[k], j * kVec, rstd, inv_scale, q);
+        }
+        if (dynamic && threadIdx.x == 0) a.quant.row_scales[row] = scale;
+        if (threadIdx.x == 0 && a.rstd != nullptr) a.rstd[row] = rstd;
+      }
+    } else if (row_ok) {
       T* y = row_ptr<T>(a.y, row, a.y_stride);
 #pragma unroll
       for (int k = 0; k < kK; ++k) {
         const std::int64_t j = threadIdx.x + std::int64_t{k} * team;
         if (j >= nvec) continue;
         float w[kVec], b[kVec];
-        if constexpr (V::kWeight) load_param<T, kVec>(a.weight, a.weight_f32, j * kVec, a.weight_offset, w);
-        if constexpr (V::kBias) load_param<T, kVec>(a.bias, a.bias_f32, j * kVec, 0.0f, b);
+        load_params<V, T, kVec>(a, j * kVec, w, b);
         normalize_store<V>(v[k], w, b, mean, rstd, y + j * kVec);
       }
       if (threadIdx.x == 0) {
@@ -134,6 +206,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
   // the whole row's sum of squares and skips the first pass, phase 1 stops after it.
   const bool given_sum = kStorage == RowStorage::kGlobal && a.row_sum_squares != nullptr;
   const bool sum_only = kStorage == RowStorage::kGlobal && a.partial_sum_squares != nullptr;
+  [[maybe_unused]] const bool dynamic = V::kQuant && a.quant.static_scale == nullptr;
+  [[maybe_unused]] const float static_scale = V::kQuant && !dynamic ? *a.quant.static_scale : 1.0f;
 
   for (std::int64_t row = slice.first_row(); row < a.rows; row += slice.row_step()) {
     const T* x = row_ptr<T>(a.x, row, a.x_stride);
@@ -203,12 +277,30 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
     }
     const float rstd = 1.0f / sqrtf(variance + a.eps);
 
-    T* y = row_ptr<T>(a.y, row, a.y_stride);
-    for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
-      float w[kVec], b[kVec];
-      if constexpr (V::kWeight) load_param<T, kVec>(a.weight, a.weight_f32, j * kVec, a.weight_offset, w);
-      if constexpr (V::kBias) load_param<T, kVec>(a.bias, a.bias_f32, j * kVec, 0.0f, b);
-      normalize_store<V>(staged(j), w, b, mean, rstd, y + j * kVec);
+    if constexpr (V::kQuant) {
+      // Dynamic: one more pass over the staged row (shared memory; the two-pass kernel
+      // reads x from device memory a third time) for the amax, reduced over the CTA or
+      // cluster, before the pass that writes q.
+      float scale = static_scale;
+      if (dynamic) {
+        float amax[1] = {0.0f};
+        for (std::int64_t j = begin + threadIdx.x; j < end; j += team) pack_amax<V>(a, staged(j), j * kVec, rstd, amax[0]);
+        row_total<kStorage, MaxOp>(amax, scratch, cluster_slot);
+        scale = dynamic_row_scale(amax[0], a.quant);
+        if (slice.rank == 0 && threadIdx.x == 0) a.quant.row_scales[row] = scale;
+      }
+      const float inv_scale = 1.0f / scale;  // once per row, correctly rounded
+      std::uint8_t* q = row_ptr<std::uint8_t>(a.quant.q, row, a.quant.q_stride);
+      for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
+        pack_quantize_store<V>(a, staged(j), j * kVec, rstd, inv_scale, q);
+      }
+    } else {
+      T* y = row_ptr<T>(a.y, row, a.y_stride);
+      for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
+        float w[kVec], b[kVec];
+        load_params<V, T, kVec>(a, j * kVec, w, b);
+        normalize_store<V>(staged(j), w, b, mean, rstd, y + j * kVec);
+      }
     }
     if (slice.rank == 0 && threadIdx.x == 0) {
       if (a.rstd != nullptr) a.rstd[row] = rstd;

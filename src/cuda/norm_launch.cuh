@@ -63,6 +63,19 @@ cudaError_t launch_forward(const LaunchPlan& plan, const ForwardArgs& a, cudaStr
   return launch_forward_variant<T, ForwardVariant<false, false, false, false>>(plan, a, stream);
 }
 
+// The quantized RMSNorm forward (a.quant.q set): its own launcher, instantiated in
+// forward_quant_<dtype>.cu, so that the y-storing forward's build is unchanged.
+template <typename T>
+cudaError_t launch_forward_quant(const LaunchPlan& plan, const ForwardArgs& a, cudaStream_t stream) {
+  const bool w = a.weight != nullptr;
+  if (a.residual != nullptr) {
+    if (w) return launch_forward_variant<T, ForwardVariant<false, true, true, false, true>>(plan, a, stream);
+    return launch_forward_variant<T, ForwardVariant<false, true, false, false, true>>(plan, a, stream);
+  }
+  if (w) return launch_forward_variant<T, ForwardVariant<false, false, true, false, true>>(plan, a, stream);
+  return launch_forward_variant<T, ForwardVariant<false, false, false, false, true>>(plan, a, stream);
+}
+
 // ---- Backward --------------------------------------------------------------------------
 
 template <typename T, typename V>

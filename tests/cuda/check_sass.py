@@ -8,7 +8,9 @@ kernel of every architecture compiled in, it asserts:
   - no local memory: no LDL / STL instructions and no stack frame (register spills);
   - 128-bit global loads and stores (LDG.E.128 / STG.E.128) in the register-row and staged
     kernels of full 16-byte vectors, for each dtype (and that such kernels were found, so
-    the check cannot pass on an empty build);
+    the check cannot pass on an empty build); the quantized forward (ForwardVariant's kQuant)
+    stores q, 1 byte per element, with the same vector width: 128-bit loads, 64-bit stores
+    (STG.E.64) for 16-bit dtypes, and no byte stores (STG.E.U8 / .S8) in either;
   - registers per thread within what the launch planner's CTAs of that kernel allow
     (kRegistersPerSm / the most threads per CTA it launches the family with, launch_plan.h).
 A failure names the kernel (demangled) and the architecture. cuobjdump and nvdisasm come
@@ -101,6 +103,15 @@ class Kernel:
 
     def full_vector(self):
         return self.dtype in ELEM_BYTES and len(self.args) > 1 and self.args[1] == str(16 // ELEM_BYTES[self.dtype])
+
+    def quantized(self):
+        """The quantized forward: ForwardVariant's fifth argument (kQuant) is true."""
+        for a in self.args:
+            m = re.fullmatch(r"fusednorm::cuda::ForwardVariant<(.*)>", a)
+            if m:
+                flags = split_template_args(m.group(1))
+                return len(flags) == 5 and flags[4] == "true"
+        return False
 
     def storage(self):
         for a in self.args:
@@ -201,18 +212,30 @@ def main():
         # Cluster kernels compile to a __trap() below sm_90, where the planner never launches them.
         cluster_stub = k.storage() == "kCluster" and int(re.sub(r"\D", "", k.arch)[:2]) < 90
         if k.family in VECTORIZED and k.full_vector() and k.storage() != "kGlobal" and not cluster_stub:
-            found_vectorized[k.arch].add((k.family, k.dtype))
-            for op in ("LDG", "STG"):
-                if not any(re.fullmatch(op + r"(\.\w+)*\.128(\.\w+)*", i) for i in k.instructions):
-                    failures.append(f"{k.name()}: no 128-bit {op} ({op}.E.128): its 16-byte vectors are split")
+            found_vectorized[k.arch].add((k.family, k.dtype, k.quantized()))
+            wanted = [("LDG", "128")]
+            if not k.quantized():
+                wanted.append(("STG", "128"))
+            elif ELEM_BYTES[k.dtype] == 2:
+                wanted.append(("STG", "64"))  # 8 q bytes per 16-byte vector of x
+            for op, bits in wanted:
+                if not any(re.fullmatch(op + r"(\.\w+)*\." + bits + r"(\.\w+)*", i) for i in k.instructions):
+                    failures.append(f"{k.name()}: no {bits}-bit {op} ({op}.E.{bits}): its vectors are split")
+            if k.quantized():
+                byte_stores = [i for i in k.instructions if re.fullmatch(r"STG(\.\w+)*\.[US]8(\.\w+)*", i)]
+                if byte_stores:
+                    failures.append(f"{k.name()}: {len(byte_stores)} byte stores ({byte_stores[0]}): q's "
+                                    "vector store is split")
     archs = sorted({k.arch for k in kernels})
     if not archs:
         failures.append("no CUDA kernels found in " + " ".join(args.binaries))
     for arch in archs:
         for family in VECTORIZED:
             for dtype in ELEM_BYTES:
-                if (family, dtype) not in found_vectorized[arch]:
-                    failures.append(f"{family}<{dtype}, full vector> [{arch}]: not found, so not checked")
+                for quantized in (False, True) if family.startswith("norm_forward") else (False,):
+                    if (family, dtype, quantized) not in found_vectorized[arch]:
+                        what = ", quantized" if quantized else ""
+                        failures.append(f"{family}<{dtype}, full vector{what}> [{arch}]: not found, so not checked")
 
     print(f"check_sass: {len(kernels)} kernels in {', '.join(archs)}; most registers per thread by family:")
     for (arch, family), regs in sorted(most_regs.items()):

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/quantize.h"
 #include "core/scalar_convert.h"
 #include "fusednorm/fusednorm.h"
 #include "fusednorm/reference.h"
@@ -699,6 +700,459 @@ TEST(CudaEdgeCases, CallsCaptureIntoACudaGraph) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
   cudaFree(ws);
+}
+
+// ---- Quantized RMSNorm (issue 9) -----------------------------------------------------------
+
+enum class QuantMode { kStatic, kDynamic, kDynamicBounded };
+const char* quant_mode_name(QuantMode m) {
+  return m == QuantMode::kStatic ? "static" : m == QuantMode::kDynamic ? "dynamic" : "dynamic+ub";
+}
+
+struct QuantCall {
+  DType q_dtype;
+  QuantMode mode;
+  bool residual;
+  std::string name() const {
+    return std::string(dtype_name(q_dtype)) + " " + quant_mode_name(mode) +
+           (residual ? " +residual" : "");
+  }
+};
+
+// The static scale and scale_upper_bound the tests use: small enough that some |y| / scale
+// saturate (|y| reaches ~3 for x in [-2, 2] and w up to 1.5; 2.5 with the offset).
+float test_static_scale(DType q_dtype) { return q_dtype == DType::kInt8 ? 0.02f : 0.005f; }
+constexpr float kTestScaleUpperBound = 1.5f;
+
+// q's value as a double (int8, or E4M3FN decoded; NaN for its NaN codes).
+double q_value(const std::vector<std::uint8_t>& q, DType q_dtype, std::int64_t i) {
+  return q_dtype == DType::kInt8 ? static_cast<double>(static_cast<std::int8_t>(q[i]))
+                                 : detail::e4m3_to_float(q[i]);
+}
+
+// q rounded from the exact quotient as the contract says, in fp64 (int8) or from the fp32
+// value (FP8: a double rounding only within an fp32 ulp of a midpoint, i.e. at a boundary).
+double q_expected(double q_exact, DType q_dtype) {
+  if (q_dtype == DType::kInt8) {
+    if (std::isnan(q_exact)) return 0;
+    return std::nearbyint(std::min(std::max(q_exact, -128.0), 127.0));
+  }
+  return detail::e4m3_to_float(detail::float_to_e4m3_saturate(static_cast<float>(q_exact)));
+}
+
+// One step of the q dtype at magnitude m (E4M3: 3 mantissa bits; subnormal step 2^-9).
+double q_step(double m, DType q_dtype) {
+  if (q_dtype == DType::kInt8) return 1;
+  return m < 0.015625 ? 0.001953125 : std::ldexp(1.0, std::ilogb(m) - 3);
+}
+
+// Every q element against the reference: equal to the contract's rounding of the exact
+// quotient, or one step off where that quotient lies within fp32 arithmetic error (rtol)
+// of the midpoint between the two. Returns the number of saturated elements.
+std::int64_t expect_q_matches(const reference::QuantResult& ref, const std::vector<std::uint8_t>& q,
+                              DType q_dtype, std::int64_t rows, std::int64_t cols,
+                              std::int64_t q_stride, double rtol = 2e-5) {
+  const double qmax = q_dtype == DType::kInt8 ? 127 : 448;
+  std::int64_t bad = 0, saturated = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double exact = ref.q_exact[r * cols + j];
+      const double want = q_expected(exact, q_dtype);
+      const double got = q_value(q, q_dtype, r * q_stride + j);
+      if (std::abs(want) >= qmax) ++saturated;
+      if (std::isnan(want) && std::isnan(got)) continue;
+      if (got == want) continue;
+      const bool one_step =
+          std::abs(got - want) <= q_step(std::max(std::abs(got), std::abs(want)), q_dtype);
+      const bool at_boundary = std::abs(exact - (got + want) / 2) <= rtol * std::abs(exact) + 1e-30;
+      if (!(one_step && at_boundary)) {
+        if (bad++ < 5) {
+          ADD_FAILURE() << "q[" << r << ", " << j << "]: got " << got << ", expected " << want
+                        << " (exact " << exact << ")";
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << bad << " q elements wrong";
+  return saturated;
+}
+
+constexpr std::uint8_t kQSentinel = 0x5a;
+
+// Runs rms_norm_quant / fused_add_rms_norm_quant on the GPU for case c and checks q, the
+// scales and the residual against the fp64 reference, and that nothing outside q's rows
+// (the row padding) and the scales' rows was written. Returns the saturated count.
+std::int64_t check_quant(const Case& c, const QuantCall& call) {
+  std::mt19937 rng = rng_for(c);
+  const std::int64_t stride = c.cols + c.pad;
+  const DType pdt = c.weight_f32 ? DType::kFloat32 : c.dtype;
+  Buffer x(c.dtype, c.rows * stride, c.misalign), res(c.dtype, c.rows * stride, c.misalign);
+  Buffer w(pdt, c.cols, c.misalign);
+  Buffer q(call.q_dtype, c.rows * stride, c.misalign), scales(DType::kFloat32, c.rows + 1);
+  Buffer scale_in(DType::kFloat32, 1), bound(DType::kFloat32, 1);
+  if (!(x.ok() && res.ok() && w.ok() && q.ok() && scales.ok() && scale_in.ok() && bound.ok())) {
+    ADD_FAILURE() << "cudaMalloc failed";
+    return 0;
+  }
+  x.fill_random(rng);
+  res.fill_random(rng);
+  w.fill_random(rng, 0.5f, 1.5f);
+  std::memset(q.host(), kQSentinel, static_cast<std::size_t>(c.rows * stride));
+  scales.fill(NAN);
+  scale_in.fill(test_static_scale(call.q_dtype));
+  bound.fill(kTestScaleUpperBound);
+  for (Buffer* b : {&x, &res, &w, &q, &scales, &scale_in, &bound}) b->upload();
+
+  const RmsNormOptions opt{1e-6f, c.offset};
+  QuantScale qs;
+  if (call.mode == QuantMode::kStatic) {
+    qs.static_scale = static_cast<const float*>(scale_in.device());
+  } else {
+    qs.row_scales = static_cast<float*>(scales.device());
+    if (call.mode == QuantMode::kDynamicBounded)
+      qs.scale_upper_bound = static_cast<const float*>(bound.device());
+  }
+  const ConstVector wv = c.weight ? ConstVector{w.device(), pdt, c.cols} : ConstVector{};
+  const Matrix qd = matrix(q.device(), call.q_dtype, c.rows, c.cols, stride);
+  const ConstMatrix xd = const_matrix(x.device(), c.dtype, c.rows, c.cols, stride);
+  if (call.residual) {
+    fused_add_rms_norm_quant(kGpu, xd, matrix(res.device(), c.dtype, c.rows, c.cols, stride), wv,
+                             qd, qs, opt);
+  } else {
+    rms_norm_quant(kGpu, xd, wv, qd, qs, opt);
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Buffer res_in(c.dtype, c.rows * stride);
+  std::memcpy(res_in.host(), res.host(),
+              static_cast<std::size_t>(c.rows * stride) * dtype_size(c.dtype));
+  q.download();
+  scales.download();
+  res.download();
+
+  const ConstVector wh = c.weight ? ConstVector{w.host(), pdt, c.cols} : ConstVector{};
+  const float static_value = test_static_scale(call.q_dtype);
+  const auto ref = reference::rms_norm_quant(
+      const_matrix(x.host(), c.dtype, c.rows, c.cols, stride),
+      call.residual ? const_matrix(res_in.host(), c.dtype, c.rows, c.cols, stride) : ConstMatrix{},
+      wh, call.q_dtype, call.mode == QuantMode::kStatic ? &static_value : nullptr,
+      call.mode == QuantMode::kDynamicBounded ? &kTestScaleUpperBound : nullptr, opt);
+  if (call.residual) {
+    expect_close(
+        ref.residual, [&](std::int64_t i) { return res.get(i / c.cols * stride + i % c.cols); },
+        0.0, "residual");
+  }
+  if (call.mode != QuantMode::kStatic) {
+    // One fp32 amax (exact: a max of fp32 values of y) and one division: y's fp32 error.
+    expect_close(
+        ref.scale, [&](std::int64_t i) { return scales.get(i); }, 2e-5, "scale");
+    EXPECT_TRUE(std::isnan(scales.get(c.rows))) << "a scale written past the last row";
+  } else {
+    for (std::int64_t i = 0; i <= c.rows; ++i)
+      EXPECT_TRUE(std::isnan(scales.get(i))) << "static call wrote scale " << i;
+  }
+  const std::vector<std::uint8_t> qh(static_cast<const std::uint8_t*>(q.host()),
+                                     static_cast<const std::uint8_t*>(q.host()) + c.rows * stride);
+  std::int64_t padding_written = 0;
+  for (std::int64_t r = 0; r < c.rows; ++r) {
+    for (std::int64_t j = c.cols; j < stride; ++j)
+      padding_written += qh[r * stride + j] != kQSentinel;
+  }
+  EXPECT_EQ(padding_written, 0) << "bytes written in q's row padding";
+  return expect_q_matches(ref, qh, call.q_dtype, c.rows, c.cols, stride);
+}
+
+// Every mode x q dtype x input dtype x weight variant x residual, on register rows (D =
+// 1000: 125 vectors of bf16 per row) with a row stride.
+TEST(CudaQuant, EveryModeAndDtypeMatchesReference) {
+  REQUIRE_GPU();
+  std::int64_t saturated = 0;
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    const std::vector<Case> weights = {Case{dt, 3, 1000, 24, 0, true},
+                                       Case{dt, 3, 1000, 24, 0, false},
+                                       Case{dt, 3, 1000, 24, 0, true, true, 1.0f}};
+    for (const Case& c : weights) {
+      for (DType qdt : {DType::kInt8, DType::kFloat8E4M3}) {
+        for (QuantMode mode :
+             {QuantMode::kStatic, QuantMode::kDynamic, QuantMode::kDynamicBounded}) {
+          for (bool residual : {false, true}) {
+            const QuantCall call{qdt, mode, residual};
+            SCOPED_TRACE(c.name() + " " + call.name());
+            saturated += check_quant(c, call);
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(saturated, 0) << "no element saturated: the saturation is not tested";
+}
+
+// One shape per kernel kind (rows per CTA, register rows, the scalar path, shared-memory
+// rows, clusters; the two-pass kernels below), each in four of the modes.
+std::vector<QuantCall> kind_calls() {
+  return {{DType::kInt8, QuantMode::kDynamic, true},
+          {DType::kFloat8E4M3, QuantMode::kDynamic, false},
+          {DType::kFloat8E4M3, QuantMode::kStatic, true},
+          {DType::kInt8, QuantMode::kDynamicBounded, false}};
+}
+
+std::vector<Case> kind_cases() {
+  const std::int64_t few = quick() ? 3 : 19;
+  return {Case{DType::kBFloat16, few, 64},                        // rows per CTA
+          Case{DType::kFloat32, few, 7, 3, 1, true, true, 1.0f},  // scalar (vec 1), misaligned
+          Case{DType::kFloat16, few, 4096, 8},                    // register rows
+          Case{DType::kFloat32, 3, 16384},                        // one CTA per row, smem
+          Case{DType::kBFloat16, 3, 262144, 16, 0, true, true, 1.0f}};  // clusters (sm_90)
+}
+
+TEST(CudaQuant, EveryKernelKindMatchesReference) {
+  REQUIRE_GPU();
+  for (const Case& c : kind_cases()) {
+    for (const QuantCall& call : kind_calls()) {
+      SCOPED_TRACE(c.name() + " " + call.name());
+      check_quant(c, call);
+    }
+  }
+}
+
+// The two-pass kernel (staging off; bf16 32768 and unaligned fp32 12288 exceed register rows):
+// the dynamic amax pass reads x from device memory again.
+TEST(CudaQuant, TwoPassKernelMatchesReference) {
+  REQUIRE_GPU();
+  setenv("FUSEDNORM_CUDA_STAGED_ROWS", "0", 1);
+  for (const Case& c :
+       {Case{DType::kBFloat16, 3, 32768, 8}, Case{DType::kFloat32, 3, 12288, 3, 1, false}}) {
+    for (const QuantCall& call : kind_calls()) {
+      SCOPED_TRACE(c.name() + " " + call.name());
+      check_quant(c, call);
+    }
+  }
+  unsetenv("FUSEDNORM_CUDA_STAGED_ROWS");
+}
+
+// Inputs whose sums of squares are exact in fp32 in any order (x and w multiples of 1/8
+// below 2): rstd, y and hence q and the scales are the same bits on the CPU and the GPU
+// (FP8: the CUDA conversion's bits; NaN codes compare as NaN). The first device run checks
+// the hardware's FP8 conversion (and sm_80's software one) against quantize.h's here.
+TEST(CudaQuant, SameBitsAsTheCpuBackend) {
+  REQUIRE_GPU();
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> eighths(-15, 15), weights(4, 12);
+  for (const Case& c : {Case{DType::kBFloat16, 5, 64}, Case{DType::kFloat16, 5, 4096},
+                        Case{DType::kFloat32, 3, 16384}}) {
+    const std::int64_t n = c.rows * c.cols;
+    Buffer x(c.dtype, n), res(c.dtype, n), w(c.dtype, c.cols);
+    for (std::int64_t i = 0; i < n; ++i) {
+      detail::store_from_float(x.host(), c.dtype, i, eighths(rng) / 8.0f);
+      detail::store_from_float(res.host(), c.dtype, i,
+                               eighths(rng) / 16.0f);  // x + res: multiples of 1/16
+    }
+    for (std::int64_t i = 0; i < c.cols; ++i)
+      detail::store_from_float(w.host(), c.dtype, i, weights(rng) / 8.0f);
+    for (DType qdt : {DType::kInt8, DType::kFloat8E4M3}) {
+      for (QuantMode mode : {QuantMode::kStatic, QuantMode::kDynamic, QuantMode::kDynamicBounded}) {
+        for (bool residual : {false, true}) {
+          SCOPED_TRACE(c.name() + " " + QuantCall({qdt, mode, residual}).name());
+          Buffer q(qdt, n), scales(DType::kFloat32, c.rows), scale_in(DType::kFloat32, 1),
+              bound(DType::kFloat32, 1);
+          Buffer res_gpu(c.dtype, n);
+          std::memcpy(res_gpu.host(), res.host(),
+                      static_cast<std::size_t>(n) * dtype_size(c.dtype));
+          scale_in.fill(test_static_scale(qdt));
+          bound.fill(kTestScaleUpperBound);
+          for (Buffer* b : {&x, &res_gpu, &w, &scale_in, &bound}) b->upload();
+          auto scale_of = [&](bool gpu, void* row_scales) {
+            QuantScale qs;
+            if (mode == QuantMode::kStatic) {
+              qs.static_scale =
+                  static_cast<const float*>(gpu ? scale_in.device() : scale_in.host());
+            } else {
+              qs.row_scales = static_cast<float*>(row_scales);
+              if (mode == QuantMode::kDynamicBounded) {
+                qs.scale_upper_bound =
+                    static_cast<const float*>(gpu ? bound.device() : bound.host());
+              }
+            }
+            return qs;
+          };
+          // GPU
+          const ConstVector wd{w.device(), c.dtype, c.cols};
+          if (residual) {
+            fused_add_rms_norm_quant(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols),
+                                     matrix(res_gpu.device(), c.dtype, c.rows, c.cols), wd,
+                                     matrix(q.device(), qdt, c.rows, c.cols),
+                                     scale_of(true, scales.device()));
+          } else {
+            rms_norm_quant(kGpu, const_matrix(x.device(), c.dtype, c.rows, c.cols), wd,
+                           matrix(q.device(), qdt, c.rows, c.cols),
+                           scale_of(true, scales.device()));
+          }
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          q.download();
+          scales.download();
+          // CPU, on host copies
+          const Context cpu{Device::kCpu, 0, nullptr};
+          std::vector<std::uint8_t> q_cpu(static_cast<std::size_t>(n));
+          std::vector<float> scales_cpu(static_cast<std::size_t>(c.rows), NAN);
+          std::vector<unsigned char> res_cpu(
+              static_cast<const unsigned char*>(res.host()),
+              static_cast<const unsigned char*>(res.host()) + n * dtype_size(c.dtype));
+          const ConstVector wh{w.host(), c.dtype, c.cols};
+          if (residual) {
+            fused_add_rms_norm_quant(cpu, const_matrix(x.host(), c.dtype, c.rows, c.cols),
+                                     matrix(res_cpu.data(), c.dtype, c.rows, c.cols), wh,
+                                     matrix(q_cpu.data(), qdt, c.rows, c.cols),
+                                     scale_of(false, scales_cpu.data()));
+          } else {
+            rms_norm_quant(cpu, const_matrix(x.host(), c.dtype, c.rows, c.cols), wh,
+                           matrix(q_cpu.data(), qdt, c.rows, c.cols),
+                           scale_of(false, scales_cpu.data()));
+          }
+          const auto* qg = static_cast<const std::uint8_t*>(q.host());
+          std::int64_t differ = 0;
+          for (std::int64_t i = 0; i < n; ++i) {
+            const bool both_nan = qdt == DType::kFloat8E4M3 &&
+                                  std::isnan(detail::e4m3_to_float(qg[i])) &&
+                                  std::isnan(detail::e4m3_to_float(q_cpu[i]));
+            if (qg[i] != q_cpu[i] && !both_nan && differ++ < 5) {
+              ADD_FAILURE() << "q[" << i << "]: GPU 0x" << std::hex << int{qg[i]} << ", CPU 0x"
+                            << int{q_cpu[i]};
+            }
+          }
+          EXPECT_EQ(differ, 0) << differ << " q bytes differ between the GPU and the CPU";
+          if (mode != QuantMode::kStatic) {
+            for (std::int64_t r = 0; r < c.rows; ++r) {
+              EXPECT_EQ(detail::float_bits(scales.get(r)),
+                        detail::float_bits(scales_cpu[static_cast<std::size_t>(r)]))
+                  << "scale of row " << r;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// A zero row (dynamic: scale = min_scale and q = 0), a row with a NaN (its y is all NaN: q
+// = 0 for int8, NaN for FP8; dynamic scale = min_scale, as no |y| is a number), and a
+// normal row, which the other two must not disturb. Then a call with no rows.
+TEST(CudaQuant, ZeroAndNaNRows) {
+  REQUIRE_GPU();
+  const std::int64_t rows = 3;
+  for (std::int64_t cols : {64, 4096, 16384}) {
+    for (DType qdt : {DType::kInt8, DType::kFloat8E4M3}) {
+      for (QuantMode mode : {QuantMode::kStatic, QuantMode::kDynamic}) {
+        SCOPED_TRACE(std::to_string(cols) + " " + QuantCall({qdt, mode, false}).name());
+        std::mt19937 rng(5);
+        Buffer x(DType::kBFloat16, rows * cols), q(qdt, rows * cols), scales(DType::kFloat32, rows);
+        Buffer scale_in(DType::kFloat32, 1);
+        x.fill_random(rng);
+        for (std::int64_t j = 0; j < cols; ++j)
+          detail::store_from_float(x.host(), DType::kBFloat16, j, 0.0f);
+        detail::store_from_float(x.host(), DType::kBFloat16, cols + cols / 2, NAN);
+        scale_in.fill(test_static_scale(qdt));
+        x.upload();
+        scale_in.upload();
+        QuantScale qs;
+        if (mode == QuantMode::kStatic)
+          qs.static_scale = static_cast<const float*>(scale_in.device());
+        else
+          qs.row_scales = static_cast<float*>(scales.device());
+        rms_norm_quant(kGpu, const_matrix(x.device(), DType::kBFloat16, rows, cols), {},
+                       matrix(q.device(), qdt, rows, cols), qs);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        q.download();
+        scales.download();
+        const auto* qb = static_cast<const std::uint8_t*>(q.host());
+        const float min_scale =
+            qdt == DType::kInt8 ? detail::kInt8MinScale : detail::kFloat8E4M3MinScale;
+        if (mode != QuantMode::kStatic) {
+          EXPECT_EQ(scales.get(0), min_scale) << "zero row";
+          EXPECT_EQ(scales.get(1), min_scale) << "NaN row";
+          EXPECT_GT(scales.get(2), min_scale) << "normal row";
+        }
+        std::int64_t bad_zero = 0, bad_nan = 0;
+        for (std::int64_t j = 0; j < cols; ++j) {
+          bad_zero += qb[j] != 0;
+          const std::uint8_t b = qb[cols + j];
+          bad_nan += qdt == DType::kInt8 ? b != 0 : (b & 0x7f) != 0x7f;
+        }
+        EXPECT_EQ(bad_zero, 0) << "zero row: q not all 0";
+        EXPECT_EQ(bad_nan, 0) << "NaN row: q not all " << (qdt == DType::kInt8 ? "0" : "NaN");
+        const ConstMatrix xh = const_matrix(x.host(), DType::kBFloat16, rows, cols);
+        const float static_value = test_static_scale(qdt);
+        const auto ref = reference::rms_norm_quant(
+            xh, {}, {}, qdt, mode == QuantMode::kStatic ? &static_value : nullptr, nullptr);
+        std::vector<std::uint8_t> last(qb + 2 * cols, qb + 3 * cols);
+        reference::QuantResult row2;
+        row2.q_exact.assign(ref.q_exact.begin() + 2 * cols, ref.q_exact.end());
+        expect_q_matches(row2, last, qdt, 1, cols, cols);
+      }
+    }
+  }
+  // No rows: nothing to do, nothing written.
+  Buffer untouched(DType::kFloat32, 1);
+  untouched.fill(NAN);
+  untouched.upload();
+  QuantScale none;
+  none.row_scales = static_cast<float*>(untouched.device());
+  rms_norm_quant(kGpu, const_matrix(nullptr, DType::kBFloat16, 0, 64), {}, matrix(nullptr, DType::kInt8, 0, 64),
+                 none);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  untouched.download();
+  EXPECT_TRUE(std::isnan(untouched.get(0)));
+}
+
+// Validation is the backends' shared code; on a CUDA context it refuses before any launch.
+TEST(CudaQuant, BadInputThrows) {
+  REQUIRE_GPU();
+  Buffer x(DType::kBFloat16, 4 * 64), q(DType::kInt8, 4 * 64), y(DType::kBFloat16, 4 * 64), scales(DType::kFloat32, 4);
+  const ConstMatrix xd = const_matrix(x.device(), DType::kBFloat16, 4, 64);
+  QuantScale dynamic;
+  dynamic.row_scales = static_cast<float*>(scales.device());
+  EXPECT_THROW(rms_norm_quant(kGpu, xd, {}, matrix(y.device(), DType::kBFloat16, 4, 64), dynamic), Error);  // q dtype
+  QuantScale both = dynamic;
+  both.static_scale = static_cast<const float*>(scales.device());
+  EXPECT_THROW(rms_norm_quant(kGpu, xd, {}, matrix(q.device(), DType::kInt8, 4, 64), both), Error);
+  EXPECT_THROW(rms_norm_quant(kGpu, xd, {}, matrix(q.device(), DType::kInt8, 4, 32), dynamic), Error);  // shape
+}
+
+// The static scale is a device pointer read by the kernel: a captured graph replayed after
+// the scale changed quantizes with the new value.
+TEST(CudaQuant, GraphReplayReadsTheCurrentStaticScale) {
+  REQUIRE_GPU();
+  const std::int64_t rows = 4, cols = 4096;
+  std::mt19937 rng(3);
+  Buffer x(DType::kBFloat16, rows * cols), q(DType::kInt8, rows * cols), scale(DType::kFloat32, 1);
+  x.fill_random(rng);
+  scale.fill(0.02f);
+  x.upload();
+  scale.upload();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const Context ctx{Device::kCuda, 0, stream};
+  QuantScale qs;
+  qs.static_scale = static_cast<const float*>(scale.device());
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  rms_norm_quant(ctx, const_matrix(x.device(), DType::kBFloat16, rows, cols), {},
+                 matrix(q.device(), DType::kInt8, rows, cols), qs);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  scale.fill(0.05f);
+  scale.upload();
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  q.download();
+  const float replay_scale = 0.05f;
+  const auto ref = reference::rms_norm_quant(const_matrix(x.host(), DType::kBFloat16, rows, cols),
+                                             {}, {}, DType::kInt8, &replay_scale, nullptr);
+  const auto* qb = static_cast<const std::uint8_t*>(q.host());
+  expect_q_matches(ref, std::vector<std::uint8_t>(qb, qb + rows * cols), DType::kInt8, rows, cols,
+                   cols);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace

@@ -74,6 +74,18 @@ TEST(LaunchPlan, BeyondOneSmUsesClusterOnHopperAndTwoPassOnAmpere) {
   EXPECT_EQ(plan_forward(shape(4, 1 << 21, 4), kH200).kind, KernelKind::kTwoPass);
 }
 
+// The quantized output (1 byte per element) is stored with x's vector width: 8 bytes per
+// access for 16-bit x, 4 for fp32; its pointer and row stride (bytes) must allow that.
+TEST(LaunchPlan, QuantizedOutputAlignment) {
+  alignas(16) static std::uint8_t q[64];
+  EXPECT_TRUE(quantized_output_aligned(2, q, 4096));
+  EXPECT_TRUE(quantized_output_aligned(2, q + 8, 4104));
+  EXPECT_FALSE(quantized_output_aligned(2, q + 4, 4096));  // pointer: 4 of 8 bytes
+  EXPECT_FALSE(quantized_output_aligned(2, q, 4100));      // row stride
+  EXPECT_TRUE(quantized_output_aligned(4, q + 4, 4100));   // fp32 x: 4-byte stores
+  EXPECT_FALSE(quantized_output_aligned(4, q + 2, 4096));
+}
+
 TEST(LaunchPlan, MisalignedDataTakesTheScalarPath) {
   alignas(16) static std::uint16_t buffer[64];
   EXPECT_TRUE(can_vectorize(2, 4096, {buffer, nullptr}, {4096}));

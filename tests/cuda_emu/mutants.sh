@@ -93,6 +93,16 @@ mutant schedule-order-sum src/cuda/norm_backward.cuh \
   const int row_floats = team * kK * kVec;' \
 "the CTA's rows are added into its dw / db partial row with atomicAdd, in the order the warps arrive (not deterministic)"
 
+mutant quant-amax-unreduced src/cuda/norm_forward.cuh \
+'        team_reduce<MaxOp>(amax, team, scratch);
+' '' \
+"quantized forward (register rows): the amax reduction deleted, so each thread scales by its own columns' amax"
+
+mutant quant-cluster-amax src/cuda/norm_forward.cuh \
+'        row_total<kStorage, MaxOp>(amax, scratch, cluster_slot);' \
+'        row_total<RowStorage::kSmem, MaxOp>(amax, scratch, cluster_slot);' \
+"quantized forward (staged rows): the amax reduced over the CTA only, not the cluster, so each CTA of a cluster scales by its slice's amax"
+
 if [[ "${1:-}" == "--list" ]]; then
   for i in "${!names[@]}"; do printf '%-24s %s\n' "${names[$i]}" "${whys[$i]}"; done
   exit 0

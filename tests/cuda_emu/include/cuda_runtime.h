@@ -80,6 +80,15 @@ inline unsigned __float_as_uint(float f) {
   return u;
 }
 
+// cvt.rni.s32.f32: round to nearest even, saturate to the int range, NaN -> 0 (PTX ISA,
+// cvt: float-to-integer conversions saturate; NaN converts to 0).
+inline int __float2int_rn(float f) {
+  if (f != f) return 0;
+  if (f >= 2147483647.0f) return 2147483647;
+  if (f <= -2147483648.0f) return -2147483647 - 1;
+  return static_cast<int>(nearbyintf(f));  // the default rounding mode: to nearest even
+}
+
 // The running GPU thread's indices: thread_local to the OS thread that runs the CTA, and
 // set by the fiber scheduler each time it switches to a thread (see emu_runtime.cpp).
 extern thread_local uint3 threadIdx;

@@ -1,0 +1,7 @@
+// Quantized RMSNorm forward kernels for __nv_bfloat16 (their own translation unit: builds in
+// parallel with the rest).
+#include "cuda/norm_launch.cuh"
+
+template cudaError_t fusednorm::cuda::launch_forward_quant<__nv_bfloat16>(const LaunchPlan&,
+                                                                          const ForwardArgs&,
+                                                                          cudaStream_t);
