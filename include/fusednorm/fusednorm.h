@@ -157,7 +157,7 @@ void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstV
 // A multiplication by the reciprocal, not a division per element, on every backend.
 //   q dtype kInt8:       saturate to [-128, 127]; NaN -> 0.
 //   q dtype kFloat8E4M3: round to nearest even in E4M3FN (subnormals included), saturate
-//                        to +-448 (+-Inf too); NaN -> NaN.
+//                        to +-448 (+-Inf too); NaN -> the canonical NaN 0x7f.
 // Scales (fp32, on ctx's device):
 //   static:  scale[r] = *static_scale for every row; finite and > 0. A pointer, so that a
 //            CUDA graph replays with a new value. (The CPU checks the value; CUDA cannot

@@ -44,13 +44,15 @@ inline std::int8_t float_to_int8_saturate(float v) {
 }
 
 // fp32 -> OCP FP8 E4M3FN bits: round to nearest even (subnormals included), saturate to
-// +-448 (Inf too), NaN -> NaN (0x7f | sign). What CUDA's __nv_cvt_float_to_fp8(v,
-// __NV_SATFINITE, __NV_E4M3) does.
+// +-448 (Inf too), NaN -> the canonical NaN 0x7f whatever its sign. What CUDA's
+// __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3) does: its software path (sm_80)
+// canonicalises a NaN before converting, and sm_89+'s cvt.rn.satfinite.e4m3x2.f32 returns
+// the canonical NaN.
 inline std::uint8_t float_to_e4m3_saturate(float v) {
   const std::uint32_t u = float_bits(v);
   const std::uint8_t sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
   const std::uint32_t abs_bits = u & 0x7fffffffu;
-  if (abs_bits > 0x7f800000u) return sign | 0x7fu;   // NaN
+  if (abs_bits > 0x7f800000u) return 0x7fu;         // NaN
   if (abs_bits >= 0x43e00000u) return sign | 0x7eu;  // >= 448 (and Inf): saturate to 448
   if (abs_bits < 0x3c800000u) {
     // Below 2^-6, the smallest normal: the result is m * 2^-9. Adding 2^14 (whose fp32 ulp

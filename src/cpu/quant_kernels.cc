@@ -106,8 +106,9 @@ HWY_INLINE hn::Vec<D8> QuantizeE4M3(DF df, VF v) {
   const auto normal = hn::Sub(hn::ShiftRight<20>(rounded), hn::Set(du, 120u << 3));
   auto magnitude = hn::IfThenElse(subnormal, small, normal);
   magnitude = hn::IfThenElse(saturates, hn::Set(du, 0x7eu), magnitude);
-  magnitude = hn::IfThenElse(is_nan, hn::Set(du, 0x7fu), magnitude);
-  return hn::DemoteTo(D8(), hn::BitCast(di, hn::Or(sign, magnitude)));
+  // NaN: the canonical 0x7f, sign dropped (quantize.h, as CUDA's conversions).
+  const auto code = hn::IfThenElse(is_nan, hn::Set(du, 0x7fu), hn::Or(sign, magnitude));
+  return hn::DemoteTo(D8(), hn::BitCast(di, code));
 }
 
 template <bool kFp8>
