@@ -357,6 +357,22 @@ void layer_norm_fwd_out(const Context& ctx, const at::Tensor& x, const OptTensor
   yv.finish();
 }
 
+namespace {
+
+// dw and db of a LayerNorm backward (absent when not computed): dw in the weight's dtype; db
+// too (fp32 master weights give an fp32 db), or x's without a weight.
+std::pair<at::Tensor, at::Tensor> new_layer_norm_grads(const at::Tensor& x, const OptTensor& weight,
+                                                       bool has_weight, bool compute_dw,
+                                                       bool compute_db) {
+  at::Tensor dw =
+      (has_weight && compute_dw) ? at::empty({x.size(-1)}, weight->options()) : absent_grad(x);
+  at::Tensor db = compute_db ? at::empty({x.size(-1)}, has_weight ? weight->options() : x.options())
+                             : absent_grad(x);
+  return {dw, db};
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
     const Context& ctx, const at::Tensor& dy, const at::Tensor& x, const OptTensor& weight,
     const OptTensor& mean, const OptTensor& rstd, double eps, bool compute_dw, bool compute_db) {
@@ -369,12 +385,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   const float* rstd_data = optional_row_stats(op, "rstd", rstd, x, xv.rows, rstd_keep);
   at::Tensor dx;
   const Matrix dxv = new_rows(x, xv.dtype, dx);
-  const bool has_weight = w.data != nullptr;
-  at::Tensor dw =
-      (has_weight && compute_dw) ? at::empty({x.size(-1)}, weight->options()) : absent_grad(x);
-  // db takes the weight's dtype (fp32 master weights give an fp32 db), else x's.
-  at::Tensor db = compute_db ? at::empty({x.size(-1)}, has_weight ? weight->options() : x.options())
-                             : absent_grad(x);
+  at::Tensor dw, db;  // not a structured binding: C++17 lambdas cannot capture one
+  std::tie(dw, db) = new_layer_norm_grads(x, weight, w.data != nullptr, compute_dw, compute_db);
   Workspace workspace;
   at::Tensor workspace_keep = workspace_for(ctx, x, xv.rows, xv.cols, workspace);
   LayerNormOptions options;
@@ -644,13 +656,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_from_sums(
   const float* gx_sums = required_row_stats(op, "sum_g_xhat", sum_g_xhat, x, xv.rows, gx_keep);
   at::Tensor dx;
   const Matrix dxv = new_rows(x, xv.dtype, dx);
-  const bool has_weight = w.data != nullptr;
-  at::Tensor dw =
-      (has_weight && compute_dw) ? at::empty({x.size(-1)}, weight->options()) : absent_grad(x);
-  // db takes the weight's dtype (fp32 master weights give an fp32 db), else x's: as
-  // layer_norm_backward.
-  at::Tensor db = compute_db ? at::empty({x.size(-1)}, has_weight ? weight->options() : x.options())
-                             : absent_grad(x);
+  at::Tensor dw, db;  // not a structured binding: C++17 lambdas cannot capture one
+  std::tie(dw, db) = new_layer_norm_grads(x, weight, w.data != nullptr, compute_dw, compute_db);
   Workspace workspace;
   at::Tensor workspace_keep = workspace_for(ctx, x, xv.rows, xv.cols, workspace);
   LayerNormOptions options;
