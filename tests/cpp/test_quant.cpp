@@ -407,7 +407,7 @@ TEST(Quant, ZeroNaNAndInfRows) {
         const std::uint8_t nan_q = q_dtype == DType::kInt8 ? 0 : 0x7f;
         for (std::int64_t j = 0; j < cols; ++j) {
           EXPECT_EQ(got.q.at(1, j) & 0x7f, 0) << "zero row";  // fp8: -0 for a negative weight
-          EXPECT_EQ(got.q.at(2, j), nan_q) << "NaN row";  // fp8: the canonical NaN, no sign
+          EXPECT_EQ(got.q.at(2, j), nan_q) << "NaN row";      // fp8: the canonical NaN, no sign
           EXPECT_EQ(got.q.at(3, j) & 0x7f, j == 5 ? nan_q : 0) << "Inf row";
         }
         if (mode == Mode::kDynamic) {
