@@ -173,9 +173,9 @@ def layer_norm(
 # ---- quantized RMSNorm ------------------------------------------------------------------
 
 
-def _quant_out_args(op: str, scale, out):
+def _quant_out_args(op: str, scale, out, dtype):
     """(q, row_scales) for the .out overload from ``out=``: a q tensor (static mode) or a
-    ``(q, scale)`` pair (dynamic mode; scale None in static mode)."""
+    ``(q, scale)`` pair (dynamic mode; scale None in static mode), q of the requested dtype."""
     if isinstance(out, torch.Tensor):
         q_out, scale_out = out, None
     else:
@@ -185,6 +185,8 @@ def _quant_out_args(op: str, scale, out):
             f"fusednorm.{op}: dynamic mode (scale=None) with out= needs out=(q, scale): the "
             "per-token scales are an output too"
         )
+    if q_out.dtype != dtype:
+        raise TypeError(f"fusednorm.{op}: out's dtype {q_out.dtype} is not dtype={dtype}")
     return q_out, scale_out
 
 
@@ -227,11 +229,7 @@ def rms_norm_quant(
             x, weight, eps, weight_offset, dtype=dtype, scale=scale, scale_ub=scale_ub
         )
         return q, (row_scales if scale is None else scale)
-    q_out, scale_out = _quant_out_args("rms_norm_quant", scale, out)
-    if q_out.dtype != dtype:
-        raise TypeError(
-            f"fusednorm.rms_norm_quant: out's dtype {q_out.dtype} is not dtype={dtype}"
-        )
+    q_out, scale_out = _quant_out_args("rms_norm_quant", scale, out, dtype)
     _rms_norm_quant_out(
         x, weight, eps, weight_offset, scale=scale, scale_ub=scale_ub, out=q_out,
         row_scales=scale_out,
@@ -260,11 +258,7 @@ def fused_add_rms_norm_quant(
             x, residual, weight, eps, weight_offset, dtype=dtype, scale=scale, scale_ub=scale_ub
         )
         return q, (row_scales if scale is None else scale)
-    q_out, scale_out = _quant_out_args("fused_add_rms_norm_quant", scale, out)
-    if q_out.dtype != dtype:
-        raise TypeError(
-            f"fusednorm.fused_add_rms_norm_quant: out's dtype {q_out.dtype} is not dtype={dtype}"
-        )
+    q_out, scale_out = _quant_out_args("fused_add_rms_norm_quant", scale, out, dtype)
     _fused_add_rms_norm_quant_out(
         x, residual, weight, eps, weight_offset, scale=scale, scale_ub=scale_ub, out=q_out,
         row_scales=scale_out,
