@@ -214,7 +214,23 @@ BackwardCase with_addend(Rng& rng, BackwardCase bc, int c) {
 
 // ---- RMSNorm ------------------------------------------------------------------------------
 
-class RmsNormBackwardTest : public RmsVariantTest {};
+class RmsNormBackwardTest : public RmsVariantTest {
+ protected:
+  // One row width of the small-width sweeps: 5 rows, a distinct stride per matrix, the
+  // statistics given for even widths, one thread.
+  BackwardCase small_width_case(std::int64_t cols) const {
+    BackwardCase bc;
+    bc.rows = 5;
+    bc.cols = cols;
+    bc.x_stride = cols + 1;
+    bc.dy_stride = cols;
+    bc.dx_stride = cols + 2;
+    bc.given_stats = cols % 2 == 0;
+    bc.weight_offset = offset();
+    bc.threads = 1;
+    return bc;
+  }
+};
 
 TEST_P(RmsNormBackwardTest, RandomShapesAndStrides) {
   const int cases = case_count(30, 10);
@@ -240,16 +256,7 @@ TEST_P(RmsNormBackwardTest, DxAddend) {
 TEST_P(RmsNormBackwardTest, DxAddendEverySmallWidth) {
   Rng rng(seed_for(current_test_name(), 0));
   for (std::int64_t cols = 1; cols <= 40; ++cols) {
-    BackwardCase bc;
-    bc.rows = 5;
-    bc.cols = cols;
-    bc.x_stride = cols + 1;
-    bc.dy_stride = cols;
-    bc.dx_stride = cols + 2;
-    bc.given_stats = cols % 2 == 0;
-    bc.weight_offset = offset();
-    bc.threads = 1;
-    bc = with_addend(rng, bc, static_cast<int>(cols));
+    const BackwardCase bc = with_addend(rng, small_width_case(cols), static_cast<int>(cols));
     run_backward(rng, false, dtype(), weight_kind(), bc);
   }
 }
@@ -257,16 +264,7 @@ TEST_P(RmsNormBackwardTest, DxAddendEverySmallWidth) {
 TEST_P(RmsNormBackwardTest, EverySmallWidth) {
   Rng rng(seed_for(current_test_name(), 0));
   for (std::int64_t cols = 1; cols <= 70; ++cols) {
-    BackwardCase bc;
-    bc.rows = 5;
-    bc.cols = cols;
-    bc.x_stride = cols + 1;
-    bc.dy_stride = cols;
-    bc.dx_stride = cols + 2;
-    bc.given_stats = cols % 2 == 0;
-    bc.weight_offset = offset();
-    bc.threads = 1;
-    run_backward(rng, false, dtype(), weight_kind(), bc);
+    run_backward(rng, false, dtype(), weight_kind(), small_width_case(cols));
   }
 }
 

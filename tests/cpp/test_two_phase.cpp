@@ -37,6 +37,18 @@ Vector elements(Buffer& b, std::int64_t begin, std::int64_t n) {
           b.dtype(), n};
 }
 
+// Where `slices` column slices of a row of `cols` columns begin, plus cols at the end: cut
+// at random columns, at least one column each.
+std::vector<std::int64_t> random_cuts(Rng& rng, std::int64_t cols, std::int64_t slices) {
+  std::vector<std::int64_t> cuts = {0};
+  for (std::int64_t k = 1; k < slices; ++k) {
+    std::uniform_int_distribution<std::int64_t> at(cuts.back() + 1, cols - (slices - k));
+    cuts.push_back(at(rng));
+  }
+  cuts.push_back(cols);
+  return cuts;
+}
+
 std::vector<std::uint32_t> all_bits(const Buffer& b) {
   std::vector<std::uint32_t> bits;
   for (std::int64_t r = 0; r < b.rows(); ++r) {
@@ -256,14 +268,7 @@ TEST_P(TwoPhaseTest, UnevenSlicesMatchTheReference) {
     const std::int64_t cols = std::max<std::int64_t>(random_cols(rng), 3);
     std::int64_t rows = random_rows(rng);
     while (rows > 1 && rows * cols > 100000) rows /= 2;
-    // 2 or 3 slices, cut at random columns (at least one column each).
-    const std::int64_t slices = 2 + c % 2;
-    std::vector<std::int64_t> cuts = {0};
-    for (std::int64_t k = 1; k < slices; ++k) {
-      std::uniform_int_distribution<std::int64_t> at(cuts.back() + 1, cols - (slices - k));
-      cuts.push_back(at(rng));
-    }
-    cuts.push_back(cols);
+    const std::vector<std::int64_t> cuts = random_cuts(rng, cols, 2 + c % 2);  // 2 or 3 slices
     const int thread_choices[] = {0, 1, 3};
     check_slices(make_problem(rng, rows, cols), cuts, thread_choices[c % 3]);
   }
@@ -417,12 +422,7 @@ TEST_P(LayerNormPhasesTest, UnevenSlicesMatchTheReference) {
     std::int64_t rows = random_rows(rng);
     while (rows > 1 && rows * cols > 100000) rows /= 2;
     const std::int64_t slices = 2 + c % 2;
-    std::vector<std::int64_t> cuts = {0};
-    for (std::int64_t k = 1; k < slices; ++k) {
-      std::uniform_int_distribution<std::int64_t> at(cuts.back() + 1, cols - (slices - k));
-      cuts.push_back(at(rng));
-    }
-    cuts.push_back(cols);
+    const std::vector<std::int64_t> cuts = random_cuts(rng, cols, slices);
     SCOPED_TRACE(::testing::Message()
                  << "rows " << rows << ", D " << cols << ", " << slices << " slices");
     const LayerProblem p = make_problem(rng, rows, cols);
