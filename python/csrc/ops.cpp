@@ -37,6 +37,12 @@ float as_float(double v) { return static_cast<float>(v); }
 
 at::Tensor absent_grad(const at::Tensor& x) { return at::empty({0}, x.options()); }
 
+// dw of a backward, in the weight's dtype; absent without a weight or when not computed.
+at::Tensor new_weight_grad(const at::Tensor& x, const OptTensor& weight, bool has_weight,
+                           bool compute_dw) {
+  return (has_weight && compute_dw) ? at::empty({x.size(-1)}, weight->options()) : absent_grad(x);
+}
+
 at::Tensor workspace_for(const Context& ctx, const at::Tensor& x, std::int64_t rows,
                          std::int64_t cols, Workspace& workspace) {
   std::size_t bytes = 0;
@@ -149,8 +155,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const Context& ctx, const a
   const float* rstd_data = optional_row_stats(op, "rstd", rstd, x, xv.rows, rstd_keep);
   at::Tensor dx;
   const Matrix dxv = new_rows(x, xv.dtype, dx);
-  at::Tensor dw = (w.data != nullptr && compute_dw) ? at::empty({x.size(-1)}, weight->options())
-                                                    : absent_grad(x);
+  at::Tensor dw = new_weight_grad(x, weight, w.data != nullptr, compute_dw);
   const std::optional<RowView> addend = optional_rows(op, "dx_addend", dx_addend, x);
   Workspace workspace;
   at::Tensor workspace_keep = workspace_for(ctx, x, xv.rows, xv.cols, workspace);
@@ -275,8 +280,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_from_sums(
   const std::optional<RowView> addend = optional_rows(op, "dx_addend", dx_addend, x);
   at::Tensor dx;
   const Matrix dxv = new_rows(x, xv.dtype, dx);
-  at::Tensor dw = (w.data != nullptr && compute_dw) ? at::empty({x.size(-1)}, weight->options())
-                                                    : absent_grad(x);
+  at::Tensor dw = new_weight_grad(x, weight, w.data != nullptr, compute_dw);
   Workspace workspace;
   at::Tensor workspace_keep = workspace_for(ctx, x, xv.rows, xv.cols, workspace);
   RmsNormOptions options;
@@ -364,8 +368,7 @@ namespace {
 std::pair<at::Tensor, at::Tensor> new_layer_norm_grads(const at::Tensor& x, const OptTensor& weight,
                                                        bool has_weight, bool compute_dw,
                                                        bool compute_db) {
-  at::Tensor dw =
-      (has_weight && compute_dw) ? at::empty({x.size(-1)}, weight->options()) : absent_grad(x);
+  at::Tensor dw = new_weight_grad(x, weight, has_weight, compute_dw);
   at::Tensor db = compute_db ? at::empty({x.size(-1)}, has_weight ? weight->options() : x.options())
                              : absent_grad(x);
   return {dw, db};
