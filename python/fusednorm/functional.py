@@ -50,10 +50,6 @@ _fused_add_rms_norm_quant = torch.ops.fusednorm.fused_add_rms_norm_quant.default
 _fused_add_rms_norm_quant_out = torch.ops.fusednorm.fused_add_rms_norm_quant.out
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 # DTensor arguments go to fusednorm.distributed (a torch built without torch.distributed has
 # neither).
 try:
@@ -61,12 +57,14 @@ try:
 
     from . import distributed as _dist_module
 except ImportError:  # torch without torch.distributed
-    _DTensor = None
+    _DTensor = ()  # isinstance(t, ()) is False
     _dist_module = None
 
 
-def _any_dtensor(*tensors) -> bool:
-    return _DTensor is not None and any(isinstance(t, _DTensor) for t in tensors)
+def _any_dtensor(a, b, c=None) -> bool:
+    # Spelled out: a generator with any() cost 0.6 µs per call of fusednorm.rms_norm on
+    # 1 x 4096 (+1.0 µs over the raw operator before, +0.35 µs after; min of 31 x 3000 calls).
+    return isinstance(a, _DTensor) or isinstance(b, _DTensor) or isinstance(c, _DTensor)
 
 
 def rms_norm(
@@ -141,7 +139,9 @@ def fused_add_rms_norm(
     if out is not None:
         _fused_add_rms_norm_out(x, residual, weight, eps, weight_offset, out=out)
         return out
-    if _needs_grad(x, residual, weight):
+    if torch.is_grad_enabled() and (
+        x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
+    ):
         residual.add_(x)
         return _rms_norm(residual, weight, eps, weight_offset)
     return _fused_add_rms_norm(x, residual, weight, eps, weight_offset)
