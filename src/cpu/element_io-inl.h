@@ -1,5 +1,5 @@
 // Element I/O of the CPU kernels (T in memory, fp32 in registers) and the staged tails of
-// rows, shared by every Highway translation unit (row_kernels.cc, quant_kernels.cc).
+// rows, shared by every Highway translation unit (the row kernels, quant_kernels.cc).
 // Highway's per-target header pattern: included once per target by each TU's
 // foreach_target.h pass, inside no namespace.
 #if defined(FUSEDNORM_CPU_ELEMENT_IO_INL_H_) == defined(HWY_TARGET_TOGGLE)

@@ -16,7 +16,7 @@ HWY_BEFORE_NAMESPACE();
 namespace fusednorm::cpu {
 namespace HWY_NAMESPACE {
 
-// y = x * rstd [* (w + w_offset)]: the operations of row_kernels.cc's Normalize (RMSNorm),
+// y = x * rstd [* (w + w_offset)]: the operations of row_kernels-inl.h's Normalize (RMSNorm),
 // in the same order, so y has rms_norm's fp32 bits before its rounding to x's dtype.
 template <typename T, typename W, class IsFull>
 HWY_INLINE VF NormalizedElements(IsFull full, DF df, const T* x, const void* w, int64_t i,

@@ -1,6 +1,6 @@
 // Per-row kernels of the quantized RMSNorm (fusednorm.h, "Quantized RMSNorm"), written once
 // against Highway's portable vectors (quant_kernels.cc, its own translation unit so that
-// row_kernels.cc's compile time does not grow) and compiled for every SIMD target.
+// the row kernels' compile time does not grow) and compiled for every SIMD target.
 //
 // A row's statistics (sum of squares, the fused add's residual update) come from
 // row_kernels.h's kernels, so y's rstd has rms_norm's bits; normalize_amax then computes

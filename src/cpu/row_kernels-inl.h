@@ -1,0 +1,508 @@
+// The per-row kernel templates and the table of one dtype's kernels (FillDType), included by
+// the three per-dtype translation units (row_kernels_f32.cc, _f16.cc, _bf16.cc), so that a
+// parallel build compiles them at once. Highway's per-target header pattern: included once
+// per target by each TU's foreach_target.h pass, inside no namespace.
+#if defined(FUSEDNORM_CPU_ROW_KERNELS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FUSEDNORM_CPU_ROW_KERNELS_INL_H_
+#undef FUSEDNORM_CPU_ROW_KERNELS_INL_H_
+#else
+#define FUSEDNORM_CPU_ROW_KERNELS_INL_H_
+#endif
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "core/scalar_convert.h"
+#include "cpu/element_io-inl.h"
+#include "cpu/row_kernels.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace fusednorm::cpu {
+namespace HWY_NAMESPACE {
+
+// Two consecutive vectors (2 * lanes elements) at p: one combined store where the type
+// provides it (bf16), else two.
+template <typename T, NaNPayloads kNaNs>
+void StorePair(DF df, VF first, VF second, T* p) {
+  using IO = ElementIO<T, kNaNs>;
+  if constexpr (std::is_same_v<T, hwy::bfloat16_t> && HWY_TARGET != HWY_SCALAR) {
+    IO::StorePair(df, first, second, p);
+  } else {
+    IO::Store(df, first, p);
+    IO::Store(df, second, p + hn::Lanes(df));
+  }
+}
+template <typename T, NaNPayloads kNaNs>
+void StreamPair(DF df, VF first, VF second, T* aligned) {
+  using IO = ElementIO<T, kNaNs>;
+  if constexpr (std::is_same_v<T, hwy::bfloat16_t> && HWY_TARGET != HWY_SCALAR) {
+    IO::StreamPair(df, first, second, aligned);
+  } else {
+    IO::Stream(df, first, aligned);
+    IO::Stream(df, second, aligned + hn::Lanes(df));
+  }
+}
+
+// Writes n elements of each of kRows output rows, one vector at a time: row k's
+// [i, i + count) = make(full, i, count)[k]; kNaNs: what is known of their NaNs. All rows must share
+// their address modulo 64 (consecutive rows of a matrix whose row pitch is a multiple of 64 bytes
+// do). kStream: outputs too large for the caches go out with non-temporal stores, which skip
+// reading each line before overwriting it (as memcpy does); the first elements go through
+// the staging path until `out` reaches vector alignment. The caller must issue a store
+// fence before the output is read (cpu_backend.cpp's parallel_for does).
+// make is taken and captured by value: Highway's stores go through vector types that may
+// alias anything, so captured references would be reloaded from memory after every store
+// (the streamed fp16 forward write pass, 16384 x 4096 on one thread, took 10.0 ms instead
+// of 6.9 ms).
+template <typename T, bool kStream, NaNPayloads kNaNs, size_t kRows, class MakeFn>
+void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) {
+  using IO = ElementIO<T, kNaNs>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  // Ordinary stores of [begin, end): whole vectors, then one staged partial vector.
+  auto store_range = [=](int64_t begin, int64_t end) {
+    // Local copies of the captures: this lambda is called more than once and not inlined,
+    // and its closure's members would be reloaded after every store as well.
+    const MakeFn make_here = make;
+    const std::array<T*, kRows> out_here = out;
+    const int64_t lanes = N;
+    int64_t i = begin;
+    for (; i + 2 * lanes <= end; i += 2 * lanes) {
+      const auto first = make_here(Full(), i, lanes), second = make_here(Full(), i + lanes, lanes);
+      for (size_t k = 0; k < kRows; ++k) {
+        StorePair<T, kNaNs>(df, first[k], second[k], out_here[k] + i);
+      }
+    }
+    for (; i + lanes <= end; i += lanes) {
+      const auto v = make_here(Full(), i, lanes);
+      for (size_t k = 0; k < kRows; ++k) IO::Store(df, v[k], out_here[k] + i);
+    }
+    if (i < end) {
+      const size_t rest = static_cast<size_t>(end - i);
+      const auto v = make_here(Partial(), i, rest);
+      for (size_t k = 0; k < kRows; ++k) {
+        Tail<T, kNaNs>(nullptr, rest).Store(df, v[k], out_here[k] + i);
+      }
+    }
+  };
+  if constexpr (kStream) {
+    // Only whole 64-byte lines are streamed: a line written partly by ordinary stores and
+    // partly by non-temporal ones is flushed half-empty, which cost more than streaming
+    // saved. The lines at the row's ends (shared with the neighbouring rows) stay ordinary.
+    constexpr uintptr_t kLine = 64;
+    const auto address = reinterpret_cast<uintptr_t>(out[0]);
+    const uintptr_t vector_bytes = static_cast<uintptr_t>(N) * sizeof(T);
+    if (address % sizeof(T) == 0 && kLine % vector_bytes == 0) {
+      // Element offsets of the first and the last 64-byte boundary inside the row.
+      const auto first_line = static_cast<int64_t>((kLine - address % kLine) % kLine / sizeof(T));
+      const uintptr_t end_address = address + static_cast<uintptr_t>(n) * sizeof(T);
+      const uintptr_t last_boundary = end_address - end_address % kLine;
+      const int64_t last_line =
+          last_boundary > address ? static_cast<int64_t>((last_boundary - address) / sizeof(T)) : 0;
+      if (first_line + N <= last_line) {
+        store_range(0, first_line);
+        int64_t i = first_line;
+        for (; i + 2 * N <= last_line; i += 2 * N) {
+          const auto first = make(Full(), i, N), second = make(Full(), i + N, N);
+          for (size_t k = 0; k < kRows; ++k) {
+            StreamPair<T, kNaNs>(df, first[k], second[k], out[k] + i);
+          }
+        }
+        for (; i < last_line; i += N) {
+          const auto v = make(Full(), i, N);
+          for (size_t k = 0; k < kRows; ++k) IO::Stream(df, v[k], out[k] + i);
+        }
+        store_range(last_line, n);
+        return;
+      }
+    }
+  }
+  store_range(0, n);
+  // No fence here: a store fence per row stalls until the write-combining buffers drain,
+  // which made D = 128 rows 20x slower. The backend fences once per thread instead.
+}
+
+// One output row: out[i, i + count) = make(full, i, count).
+template <typename T, bool kStream, NaNPayloads kNaNs, class MakeFn>
+void WriteRow(DF df, T* out, int64_t n, MakeFn make) {
+  WriteRows<T, kStream, kNaNs, 1>(df, {out}, n, [=](auto full, int64_t i, size_t count) {
+    return std::array<VF, 1>{make(full, i, count)};
+  });
+}
+
+template <typename T>
+float Sum(const void* x_ptr, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const T* x = static_cast<const T*>(x_ptr);
+  VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
+  int64_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    acc0 = hn::Add(acc0, ElementIO<T>::Load(df, x + i));
+    acc1 = hn::Add(acc1, ElementIO<T>::Load(df, x + i + N));
+  }
+  for (; i + N <= n; i += N) acc0 = hn::Add(acc0, ElementIO<T>::Load(df, x + i));
+  if (i < n) acc1 = hn::Add(acc1, Tail<T>(x + i, static_cast<size_t>(n - i)).Load(df));
+  return hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
+}
+
+// Sum of (x - center)^2 (of x^2 when not centered) over one row; inlined into the one-row
+// kernel and the multi-row RmsRows, so both sum in the same order and give the same bits.
+template <typename T, bool kCentered>
+HWY_INLINE float SumSquaresOfRow(DF df, const T* x, int64_t n, float center) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const VF c = hn::Set(df, center);
+  auto deviation = [&](VF v) { return kCentered ? hn::Sub(v, c) : v; };
+  VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
+  int64_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    const VF a = deviation(ElementIO<T>::Load(df, x + i));
+    const VF b = deviation(ElementIO<T>::Load(df, x + i + N));
+    acc0 = hn::MulAdd(a, a, acc0);
+    acc1 = hn::MulAdd(b, b, acc1);
+  }
+  for (; i + N <= n; i += N) {
+    const VF a = deviation(ElementIO<T>::Load(df, x + i));
+    acc0 = hn::MulAdd(a, a, acc0);
+  }
+  if (i < n) {
+    const size_t rest = static_cast<size_t>(n - i);
+    // Padding lanes are zero, but (0 - center)^2 is not: mask them out.
+    const VF a = hn::IfThenElseZero(hn::FirstN(df, rest), deviation(Tail<T>(x + i, rest).Load(df)));
+    acc1 = hn::MulAdd(a, a, acc1);
+  }
+  return hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
+}
+
+template <typename T, bool kCentered>
+float SumSquares(const void* x, int64_t n, float center) {
+  return SumSquaresOfRow<T, kCentered>(DF(), static_cast<const T*>(x), n, center);
+}
+
+// residual <- round(x + residual) over one row; returns the sum of squares of the rounded
+// residual. Shared by the one-row kernel and RmsRows, as SumSquaresOfRow is.
+template <typename T>
+HWY_INLINE float AddResidualOfRow(DF df, const T* x, T* residual, int64_t n) {
+  using IO = ElementIO<T, NaNPayloads::kNarrow>;  // sums of two T
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF acc = hn::Zero(df);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    const VF sum = hn::Add(IO::Load(df, x + i), IO::Load(df, residual + i));
+    IO::Store(df, sum, residual + i);
+    const VF stored = IO::RoundTrip(df, sum);  // normalize what was stored
+    acc = hn::MulAdd(stored, stored, acc);
+  }
+  if (i < n) {
+    const size_t rest = static_cast<size_t>(n - i);
+    Tail<T, NaNPayloads::kNarrow> residual_tail(residual + i, rest);
+    const VF sum = hn::Add(Tail<T>(x + i, rest).Load(df), residual_tail.Load(df));
+    residual_tail.Store(df, sum, residual + i);
+    const VF stored = IO::RoundTrip(df, sum);
+    acc = hn::MulAdd(stored, stored, acc);  // padding lanes are 0 + 0
+  }
+  return hn::GetLane(hn::SumOfLanes(df, acc));
+}
+
+template <typename T>
+float AddResidual(const void* x, void* residual, int64_t n) {
+  return AddResidualOfRow<T>(DF(), static_cast<const T*>(x), static_cast<T*>(residual), n);
+}
+
+// A weight or bias element vector: W is float or the rows' type, void when there is none.
+template <typename W, class IsFull>
+VF LoadParam(IsFull full, DF df, const void* p, int64_t i, size_t count) {
+  return LoadElements(full, df, static_cast<const W*>(p) + i, count);
+}
+
+// The NaNs of an output of rows of type T with a weight / bias of type W / B (void: none):
+// narrow unless an fp32 parameter can bring an fp32 payload.
+template <typename T, typename P>
+constexpr bool kNarrowParam = std::is_void_v<P> || std::is_same_v<P, T>;
+template <typename T, typename W, typename B = void>
+constexpr NaNPayloads kOutputNaNs = (kNarrowParam<T, W> && kNarrowParam<T, B>)
+                                        ? NaNPayloads::kNarrow
+                                        : NaNPayloads::kAny;
+
+// A row statistic as the kernels use it: a NaN becomes the default NaN, whose payload is
+// narrow. (Statistics computed from the row already are; the phased calls take the
+// caller's sums, which may carry any payload.)
+inline float NarrowNaN(float v) { return v == v ? v : std::numeric_limits<float>::quiet_NaN(); }
+
+template <typename T, bool kStream, bool kCentered, typename W, typename B>
+void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int64_t n, float mean,
+               float rstd, float w_offset) {
+  const DF df;
+  const T* x = static_cast<const T*>(x_ptr);
+  T* y = static_cast<T*>(y_ptr);
+  const VF vmean = hn::Set(df, NarrowNaN(mean));
+  const VF vrstd = hn::Set(df, NarrowNaN(rstd));
+  const VF voffset = hn::Set(df, w_offset);  // finite (validated)
+  constexpr NaNPayloads kNaNs = kOutputNaNs<T, W, B>;
+  WriteRow<T, kStream, kNaNs>(df, y, n, [=](auto full, int64_t i, size_t count) {
+    VF out = LoadElements(full, df, x + i, count);
+    if constexpr (kCentered) out = hn::Sub(out, vmean);
+    out = hn::Mul(out, vrstd);
+    if constexpr (!std::is_void_v<W>) {
+      // LayerNorm has no weight offset: no add (which would also stop the compiler from
+      // folding the weight's load into the multiply).
+      VF wv = LoadParam<W>(full, df, w, i, count);
+      if constexpr (!kCentered) wv = hn::Add(wv, voffset);
+      out = hn::Mul(out, wv);
+    }
+    if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, df, b, i, count));
+    return out;
+  });
+}
+
+// RMSNorm of rows.rows short rows, kGroup at a time: the sums of squares of a group first
+// (independent chains that overlap), then the group's outputs, each weight vector loaded
+// once for the group. Rows that do not fill a group run through kGroup = 1, the same code.
+template <typename T, bool kResidual, typename W, size_t kGroup>
+void RmsRowGroup(const RmsRows& rows, int64_t first) {
+  const DF df;
+  const int64_t n = rows.n;
+  std::array<const T*, kGroup> source;
+  std::array<T*, kGroup> out;
+  std::array<VF, kGroup> vrstd;
+  for (size_t k = 0; k < kGroup; ++k) {
+    const int64_t r = first + static_cast<int64_t>(k);
+    const T* x = static_cast<const T*>(rows.x) + r * rows.x_stride;
+    float sum;
+    if constexpr (kResidual) {
+      T* residual = static_cast<T*>(rows.residual) + r * rows.residual_stride;
+      sum = AddResidualOfRow<T>(df, x, residual, n);
+      source[k] = residual;
+    } else {
+      sum = SumSquaresOfRow<T, false>(df, x, n, 0.0f);
+      source[k] = x;
+    }
+    const float rstd = rstd_from_mean_square(sum / static_cast<float>(n), rows.eps);
+    if (rows.rstd != nullptr) rows.rstd[r] = rstd;
+    vrstd[k] = hn::Set(df, rstd);
+    out[k] = static_cast<T*>(rows.y) + r * rows.y_stride;
+  }
+  const VF voffset = hn::Set(df, rows.w_offset);
+  const void* w = rows.w;
+  constexpr NaNPayloads kNaNs = kOutputNaNs<T, W>;  // rstd is computed from the rows here
+  WriteRows<T, false, kNaNs, kGroup>(df, out, n, [=](auto full, int64_t i, size_t count) {
+    VF wv = hn::Zero(df);
+    if constexpr (!std::is_void_v<W>) wv = hn::Add(LoadParam<W>(full, df, w, i, count), voffset);
+    std::array<VF, kGroup> result;
+    for (size_t k = 0; k < kGroup; ++k) {
+      result[k] = hn::Mul(LoadElements(full, df, source[k] + i, count), vrstd[k]);
+      if constexpr (!std::is_void_v<W>) result[k] = hn::Mul(result[k], wv);
+    }
+    return result;
+  });
+}
+
+template <typename T, bool kResidual, typename W>
+void RmsRowsKernel(const RmsRows& rows) {
+  constexpr size_t kGroup = 4;
+  int64_t r = 0;
+  for (; r + static_cast<int64_t>(kGroup) <= rows.rows; r += kGroup) {
+    RmsRowGroup<T, kResidual, W, kGroup>(rows, r);
+  }
+  for (; r < rows.rows; ++r) RmsRowGroup<T, kResidual, W, 1>(rows, r);
+}
+
+template <typename T, bool kCentered, bool kWeight>
+void BackwardDots(const void* dy_ptr, const void* x_ptr, const float* w, int64_t n, float mean,
+                  float rstd, float* sum_g_xhat, float* sum_g) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const T* dy = static_cast<const T*>(dy_ptr);
+  const T* x = static_cast<const T*>(x_ptr);
+  const VF vmean = hn::Set(df, mean);
+  const VF vrstd = hn::Set(df, rstd);
+  VF acc_g_xhat = hn::Zero(df), acc_g = hn::Zero(df);
+  auto accumulate = [&](VF dyv, VF xv, VF wv) {
+    const VF g = kWeight ? hn::Mul(dyv, wv) : dyv;
+    const VF xhat = hn::Mul(kCentered ? hn::Sub(xv, vmean) : xv, vrstd);
+    acc_g_xhat = hn::MulAdd(g, xhat, acc_g_xhat);
+    if (kCentered) acc_g = hn::Add(acc_g, g);
+  };
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    accumulate(ElementIO<T>::Load(df, dy + i), ElementIO<T>::Load(df, x + i),
+               kWeight ? hn::LoadU(df, w + i) : hn::Zero(df));
+  }
+  if (i < n) {
+    // dy's padding lanes are zero, so g and g * x_hat vanish there.
+    const size_t rest = static_cast<size_t>(n - i);
+    accumulate(Tail<T>(dy + i, rest).Load(df), Tail<T>(x + i, rest).Load(df),
+               kWeight ? FloatTail(w + i, rest).Load(df) : hn::Zero(df));
+  }
+  *sum_g_xhat = hn::GetLane(hn::SumOfLanes(df, acc_g_xhat));
+  *sum_g = kCentered ? hn::GetLane(hn::SumOfLanes(df, acc_g)) : 0.0f;
+}
+
+// BackwardApply of kRows rows at once: dw / db take row 0's term, then row 1's, exactly as
+// consecutive one-row calls add them, but are loaded and stored once per pair.
+// kAddend: dx_addend is added to each row's dx before it is rounded.
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, bool kAddend,
+          size_t kRows>
+void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* dw_acc,
+                       float* db_acc, int64_t n) {
+  const DF df;
+  std::array<const T*, kRows> dy, x, addend;
+  std::array<T*, kRows> dx;
+  std::array<VF, kRows> vmean, vrstd, vmean_g, vmean_g_xhat;
+  for (size_t k = 0; k < kRows; ++k) {
+    dy[k] = static_cast<const T*>(rows.dy[k]);
+    x[k] = static_cast<const T*>(rows.x[k]);
+    addend[k] = static_cast<const T*>(rows.dx_addend[k]);
+    dx[k] = static_cast<T*>(rows.dx[k]);
+    vmean[k] = hn::Set(df, rows.mean[k]);
+    vrstd[k] = hn::Set(df, rows.rstd[k]);
+    vmean_g[k] = hn::Set(df, rows.mean_g[k]);
+    vmean_g_xhat[k] = hn::Set(df, rows.mean_g_xhat[k]);
+  }
+  constexpr NaNPayloads kNaNs = NaNPayloads::kAny;  // w is fp32, whatever the caller's was
+  WriteRows<T, kStream, kNaNs, kRows>(df, dx, n, [=](auto full, int64_t i, size_t count) {
+    const VF wv = kWeight ? LoadElements(full, df, w + i, count) : hn::Zero(df);
+    VF dw_sum = kDw ? LoadElements(full, df, dw_acc + i, count) : hn::Zero(df);
+    VF db_sum = kDb ? LoadElements(full, df, db_acc + i, count) : hn::Zero(df);
+    std::array<VF, kRows> out;
+    for (size_t k = 0; k < kRows; ++k) {
+      const VF dyv = LoadElements(full, df, dy[k] + i, count);
+      const VF xv = LoadElements(full, df, x[k] + i, count);
+      const VF g = kWeight ? hn::Mul(dyv, wv) : dyv;
+      const VF xhat = hn::Mul(kCentered ? hn::Sub(xv, vmean[k]) : xv, vrstd[k]);
+      if (kDw) dw_sum = hn::MulAdd(dyv, xhat, dw_sum);
+      if (kDb) db_sum = hn::Add(dyv, db_sum);
+      const VF centered_g = kCentered ? hn::Sub(g, vmean_g[k]) : g;
+      out[k] = hn::Mul(vrstd[k], hn::NegMulAdd(xhat, vmean_g_xhat[k], centered_g));
+      if constexpr (kAddend) out[k] = hn::Add(out[k], LoadElements(full, df, addend[k] + i, count));
+    }
+    if (kDw) StoreFloats(full, df, dw_sum, dw_acc + i, count);
+    if (kDb) StoreFloats(full, df, db_sum, db_acc + i, count);
+    return out;
+  });
+}
+
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, bool kAddend>
+void BackwardApply(const void* dy, const void* x, const float* w, const void* dx_addend, void* dx,
+                   float* dw_acc, float* db_acc, int64_t n, float mean, float rstd, float mean_g,
+                   float mean_g_xhat) {
+  const BackwardRows<1> row{{dy}, {x}, {dx_addend}, {dx}, {mean}, {rstd}, {mean_g}, {mean_g_xhat}};
+  BackwardApplyRows<T, kStream, kCentered, kWeight, kDw, kDb, kAddend, 1>(row, w, dw_acc, db_acc,
+                                                                          n);
+}
+
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, bool kAddend>
+void BackwardApplyPair(const BackwardRows<2>& rows, const float* w, float* dw_acc, float* db_acc,
+                       int64_t n) {
+  BackwardApplyRows<T, kStream, kCentered, kWeight, kDw, kDb, kAddend, 2>(rows, w, dw_acc, db_acc,
+                                                                          n);
+}
+
+// ---- Table construction ----------------------------------------------------------------
+
+// One backward-apply variant into both tables (one row, two rows).
+template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, bool kAddend,
+          class ApplyTable, class PairTable>
+void FillApply(ApplyTable& apply, PairTable& pair) {
+  apply[kCentered][kWeight][kDw][kDb][kAddend] =
+      &BackwardApply<T, kStream, kCentered, kWeight, kDw, kDb, kAddend>;
+  pair[kCentered][kWeight][kDw][kDb][kAddend] =
+      &BackwardApplyPair<T, kStream, kCentered, kWeight, kDw, kDb, kAddend>;
+}
+
+// The table slots (ParamType) of a weight or bias of type W (void: none) next to rows of
+// type T; -1 for none. For fp32 rows, the rows' dtype is fp32: both slots.
+template <typename T, typename W>
+constexpr std::array<int, 2> kParamSlots =
+    std::is_void_v<W> ? std::array<int, 2>{kNoParam, -1}
+    : std::is_same_v<W, float>
+        ? std::array<int, 2>{kFloat32Param, std::is_same_v<T, float> ? kElementParam : -1}
+        : std::array<int, 2>{kElementParam, -1};
+
+template <typename T, bool kStream, bool kCentered, typename W, typename B>
+void SetNormalize(NormalizeFn (&table)[3][3]) {
+  for (const int pw : kParamSlots<T, W>) {
+    for (const int pb : kParamSlots<T, B>) {
+      if (pw >= 0 && pb >= 0) table[pw][pb] = &Normalize<T, kStream, kCentered, W, B>;
+    }
+  }
+}
+
+// Every weight type with bias type B.
+template <typename T, bool kStream, bool kCentered, typename B>
+void SetNormalizeWeights(NormalizeFn (&table)[3][3]) {
+  SetNormalize<T, kStream, kCentered, void, B>(table);
+  SetNormalize<T, kStream, kCentered, float, B>(table);
+  if constexpr (!std::is_same_v<T, float>) SetNormalize<T, kStream, kCentered, T, B>(table);
+}
+
+template <typename T, bool kResidual, typename W>
+void SetRmsRows(RmsRowsFn (&table)[3]) {
+  for (const int pw : kParamSlots<T, W>) {
+    if (pw >= 0) table[pw] = &RmsRowsKernel<T, kResidual, W>;
+  }
+}
+
+template <typename T, bool kResidual>
+void SetRmsRowsWeights(RmsRowsFn (&table)[3]) {
+  SetRmsRows<T, kResidual, void>(table);
+  SetRmsRows<T, kResidual, float>(table);
+  if constexpr (!std::is_same_v<T, float>) SetRmsRows<T, kResidual, T>(table);
+}
+
+template <typename T, bool kStream>
+void FillWriters(DTypeKernels* k) {
+  // [centered][weight][bias]; RMSNorm has no bias, so [0][*][1 and 2] stay null. For fp32
+  // rows the rows' dtype is fp32: both ParamTypes get the same kernels.
+  auto& normalize = k->normalize[kStream];
+  SetNormalizeWeights<T, kStream, false, void>(normalize[0]);
+  SetNormalizeWeights<T, kStream, true, void>(normalize[1]);
+  SetNormalizeWeights<T, kStream, true, float>(normalize[1]);
+  if constexpr (!std::is_same_v<T, float>) SetNormalizeWeights<T, kStream, true, T>(normalize[1]);
+  // Only RMSNorm (not centered, no bias gradient) takes a dx addend.
+  auto& apply = k->backward_apply[kStream];
+  auto& pair = k->backward_apply_pair[kStream];
+  FillApply<T, kStream, false, false, false, false, false>(apply, pair);
+  FillApply<T, kStream, false, true, false, false, false>(apply, pair);
+  FillApply<T, kStream, false, true, true, false, false>(apply, pair);
+  FillApply<T, kStream, false, false, false, false, true>(apply, pair);
+  FillApply<T, kStream, false, true, false, false, true>(apply, pair);
+  FillApply<T, kStream, false, true, true, false, true>(apply, pair);
+  FillApply<T, kStream, true, false, false, false, false>(apply, pair);
+  FillApply<T, kStream, true, false, false, true, false>(apply, pair);
+  FillApply<T, kStream, true, true, false, false, false>(apply, pair);
+  FillApply<T, kStream, true, true, false, true, false>(apply, pair);
+  FillApply<T, kStream, true, true, true, false, false>(apply, pair);
+  FillApply<T, kStream, true, true, true, true, false>(apply, pair);
+}
+
+template <typename T>
+void FillDType(DTypeKernels* k) {
+  k->sum = &Sum<T>;
+  k->sum_squares[0] = &SumSquares<T, false>;
+  k->sum_squares[1] = &SumSquares<T, true>;
+  k->add_residual = &AddResidual<T>;
+  SetRmsRowsWeights<T, false>(k->rms_rows[0]);
+  SetRmsRowsWeights<T, true>(k->rms_rows[1]);
+  k->backward_dots[0][0] = &BackwardDots<T, false, false>;
+  k->backward_dots[0][1] = &BackwardDots<T, false, true>;
+  k->backward_dots[1][0] = &BackwardDots<T, true, false>;
+  k->backward_dots[1][1] = &BackwardDots<T, true, true>;
+  FillWriters<T, false>(k);
+  FillWriters<T, true>(k);
+}
+
+// One dtype's table, defined by that dtype's translation unit (FillDType<T>) and called by
+// row_kernels.cc's FillRowKernels for the same target.
+void FillFloat32Kernels(DTypeKernels* k);
+void FillFloat16Kernels(DTypeKernels* k);
+void FillBFloat16Kernels(DTypeKernels* k);
+
+}  // namespace HWY_NAMESPACE
+}  // namespace fusednorm::cpu
+HWY_AFTER_NAMESPACE();
+
+#endif  // FUSEDNORM_CPU_ROW_KERNELS_INL_H_
