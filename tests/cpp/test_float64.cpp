@@ -4,7 +4,9 @@
 // not read the fp32 ones it is given), bit-identical results for any thread count, zero
 // rows, and the errors for mixed dtypes and for the operators that refuse float64.
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "test_util.h"
 
@@ -179,7 +181,7 @@ TEST(Float64, PhasedAndQuantizedOperatorsRefuseIt) {
   Buffer sums = Buffer::floats(rows), sums2 = Buffer::floats(rows), rstd = Buffer::floats(rows);
   for (std::int64_t r = 0; r < rows; ++r)
     sums.float_data()[r] = sums2.float_data()[r] = rstd.float_data()[r] = 1.0f;
-  Buffer q(DType::kInt8, rows, cols);
+  std::vector<std::int8_t> q(static_cast<std::size_t>(rows * cols));  // (Buffer has no int8)
   Buffer scales = Buffer::floats(rows);
   const char* phased = "two-phase";
   EXPECT_FUSEDNORM_ERROR(rms_norm_partial_sum_squares({}, x.cmatrix(), sums.float_data()),
@@ -205,10 +207,12 @@ TEST(Float64, PhasedAndQuantizedOperatorsRefuseIt) {
       "layer_norm_from_sums", "'x'", phased);
   QuantScale scale;
   scale.row_scales = scales.float_data();
-  EXPECT_FUSEDNORM_ERROR(rms_norm_quant({}, x.cmatrix(), {}, q.matrix(), scale), "rms_norm_quant",
-                         "'x'", "float64", "quantized");
   EXPECT_FUSEDNORM_ERROR(
-      fused_add_rms_norm_quant({}, x.cmatrix(), res.matrix(), {}, q.matrix(), scale),
+      rms_norm_quant({}, x.cmatrix(), {}, matrix(q.data(), DType::kInt8, rows, cols), scale),
+      "rms_norm_quant", "'x'", "float64", "quantized");
+  EXPECT_FUSEDNORM_ERROR(
+      fused_add_rms_norm_quant({}, x.cmatrix(), res.matrix(), {},
+                               matrix(q.data(), DType::kInt8, rows, cols), scale),
       "fused_add_rms_norm_quant", "'x'", "float64");
 }
 
