@@ -8,6 +8,18 @@
 // Numerics (all backends): elements are converted to fp32 on load, every sum and every
 // product is fp32, eps is added in fp32, and each output element is rounded once (round to
 // nearest even) when stored in its dtype.
+//
+// float64 (kFloat64) is a verification dtype, for gradient checks such as
+// torch.autograd.gradcheck, not a speed path: every tensor of the call (x, residual, weight,
+// bias, y, dy, dx, dx_addend, dw, db) must then be float64 (no mixing; a float32 weight is
+// refused), and every sum, product and row statistic (mean, rstd) is fp64, eps and
+// weight_offset widened exactly from their fp32 values. The per-row statistics outputs stay
+// fp32 (rstd and mean receive the fp64 values rounded to fp32, for inspection), and a
+// float64 backward does not read the rstd / mean it is given: it recomputes them in fp64
+// from x, since an fp32 rstd would limit dx to fp32 accuracy. The two-phase operators
+// (fp32 row sums) and the quantized operators refuse float64. On the CPU a float64
+// backward allocates its own scratch for dw / db (the workspace is not used); on CUDA it
+// needs backward_workspace_bytes() like every other dtype.
 #pragma once
 
 #include <cstddef>
@@ -32,6 +44,7 @@ enum class DType : std::uint8_t {
   kBFloat16 = 2,
   kInt8 = 3,
   kFloat8E4M3 = 4,
+  kFloat64 = 5,  // verification dtype (see Numerics above)
 };
 
 // Bytes of one element; throws fusednorm::Error for a value outside the enum.

@@ -19,12 +19,14 @@ DType to_dtype(const char* op, const char* argument, const at::Tensor& t) {
       return DType::kFloat16;
     case at::kBFloat16:
       return DType::kBFloat16;
+    case at::kDouble:
+      return DType::kFloat64;  // verification / gradcheck (fusednorm.h, Numerics)
     default:
       break;
   }
   fail(op, argument,
        std::string("dtype ") + c10::toString(t.scalar_type()) +
-           " is not supported (expected float32, float16 or bfloat16)");
+           " is not supported (expected float32, float16, bfloat16 or float64)");
 }
 
 DType to_quant_dtype(const char* op, const char* argument, at::ScalarType t) {

@@ -28,14 +28,16 @@ from __future__ import annotations
 import torch
 from torch.library import register_autograd, register_fake
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# float64 is the verification dtype (gradcheck; python/README.md): every tensor of the call
+# is then float64, no float32 weight.
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check_x(op: str, x: torch.Tensor, name: str = "x") -> None:
     torch._check(
         x.dtype in _FLOATS,
         lambda: f"fusednorm::{op}: argument '{name}': dtype {x.dtype} is not supported "
-        "(expected float32, float16 or bfloat16)",
+        "(expected float32, float16, bfloat16 or float64)",
     )
     torch._check(
         x.dim() >= 1,
@@ -47,6 +49,16 @@ def _check_x(op: str, x: torch.Tensor, name: str = "x") -> None:
     )
 
 
+_PHASED_FLOAT64 = "the two-phase operators (their row sums are fp32; use the one-call operator)"
+
+
+def _refuse_float64(op: str, x: torch.Tensor, why: str) -> None:
+    torch._check(
+        x.dtype != torch.float64,
+        lambda: f"fusednorm::{op}: argument 'x': dtype float64 is not supported by {why}",
+    )
+
+
 def _check_vector(op: str, name: str, v: torch.Tensor | None, x: torch.Tensor) -> None:
     if v is None:
         return
@@ -54,6 +66,11 @@ def _check_vector(op: str, name: str, v: torch.Tensor | None, x: torch.Tensor) -
         v.dim() == 1 and v.shape[0] == x.shape[-1],
         lambda: f"fusednorm::{op}: argument '{name}': shape {tuple(v.shape)} does not "
         f"match D = {x.shape[-1]}",
+    )
+    torch._check(
+        x.dtype != torch.float64 or v.dtype == torch.float64,
+        lambda: f"fusednorm::{op}: argument '{name}': dtype {v.dtype} must be float64 like "
+        "x's (a float64 call takes no other dtype)",
     )
     torch._check(
         v.dtype == x.dtype or v.dtype == torch.float32,
@@ -127,12 +144,14 @@ def _fused_add_rms_norm_fwd_fake(x, residual, weight, eps=1e-6, weight_offset=0.
 @register_fake("fusednorm::rms_norm_partial_sum_squares")
 def _rms_norm_partial_sum_squares_fake(x):
     _check_x("rms_norm_partial_sum_squares", x)
+    _refuse_float64("rms_norm_partial_sum_squares", x, _PHASED_FLOAT64)
     return _row_stats(x)
 
 
 @register_fake("fusednorm::fused_add_partial_sum_squares")
 def _fused_add_partial_sum_squares_fake(x, residual):
     _check_x("fused_add_partial_sum_squares", x)
+    _refuse_float64("fused_add_partial_sum_squares", x, _PHASED_FLOAT64)
     _check_like_x("fused_add_partial_sum_squares", "residual", residual, x)
     return x.new_empty(x.shape), _row_stats(x)
 
@@ -140,6 +159,7 @@ def _fused_add_partial_sum_squares_fake(x, residual):
 @register_fake("fusednorm::rms_norm_from_sum_squares")
 def _rms_norm_from_sum_squares_fake(x, weight, sum_squares, full_cols, eps=1e-6, weight_offset=0.0):
     _check_x("rms_norm_from_sum_squares", x)
+    _refuse_float64("rms_norm_from_sum_squares", x, _PHASED_FLOAT64)
     _check_vector("rms_norm_from_sum_squares", "weight", weight, x)
     return x.new_empty(x.shape), _row_stats(x)
 
@@ -147,6 +167,7 @@ def _rms_norm_from_sum_squares_fake(x, weight, sum_squares, full_cols, eps=1e-6,
 @register_fake("fusednorm::rms_norm_backward_partial_sums")
 def _rms_norm_backward_partial_sums_fake(dy, x, weight, rstd, weight_offset=0.0):
     _check_x("rms_norm_backward_partial_sums", x)
+    _refuse_float64("rms_norm_backward_partial_sums", x, _PHASED_FLOAT64)
     _check_like_x("rms_norm_backward_partial_sums", "dy", dy, x)
     _check_vector("rms_norm_backward_partial_sums", "weight", weight, x)
     return _row_stats(x)
@@ -157,6 +178,7 @@ def _rms_norm_backward_from_sums_fake(
     dy, x, weight, rstd, sum_g_xhat, full_cols, weight_offset=0.0, compute_dw=True,
     dx_addend=None,
 ):
+    _refuse_float64("rms_norm_backward_from_sums", x, _PHASED_FLOAT64)
     return _rms_grads_fake("rms_norm_backward_from_sums", dy, x, weight, compute_dw, dx_addend)
 
 
@@ -206,12 +228,14 @@ def _layer_norm_backward_fake(
 @register_fake("fusednorm::layer_norm_partial_sums")
 def _layer_norm_partial_sums_fake(x):
     _check_x("layer_norm_partial_sums", x)
+    _refuse_float64("layer_norm_partial_sums", x, _PHASED_FLOAT64)
     return _row_stats(x)
 
 
 @register_fake("fusednorm::layer_norm_partial_squared_deviations")
 def _layer_norm_partial_squared_deviations_fake(x, row_sum, full_cols):
     _check_x("layer_norm_partial_squared_deviations", x)
+    _refuse_float64("layer_norm_partial_squared_deviations", x, _PHASED_FLOAT64)
     return _row_stats(x)
 
 
@@ -220,6 +244,7 @@ def _layer_norm_from_sums_fake(
     x, weight, bias, row_sum, row_sum_squared_deviations, full_cols, eps=1e-5
 ):
     _check_x("layer_norm_from_sums", x)
+    _refuse_float64("layer_norm_from_sums", x, _PHASED_FLOAT64)
     _check_vector("layer_norm_from_sums", "weight", weight, x)
     _check_vector("layer_norm_from_sums", "bias", bias, x)
     return x.new_empty(x.shape), _row_stats(x), _row_stats(x)
@@ -228,6 +253,7 @@ def _layer_norm_from_sums_fake(
 @register_fake("fusednorm::layer_norm_backward_partial_sums")
 def _layer_norm_backward_partial_sums_fake(dy, x, weight, mean, rstd):
     _check_x("layer_norm_backward_partial_sums", x)
+    _refuse_float64("layer_norm_backward_partial_sums", x, _PHASED_FLOAT64)
     _check_like_x("layer_norm_backward_partial_sums", "dy", dy, x)
     _check_vector("layer_norm_backward_partial_sums", "weight", weight, x)
     return _row_stats(x), _row_stats(x)
@@ -238,6 +264,7 @@ def _layer_norm_backward_from_sums_fake(
     dy, x, weight, mean, rstd, sum_g, sum_g_xhat, full_cols, eps=1e-5, compute_dw=True,
     compute_db=True,
 ):
+    _refuse_float64("layer_norm_backward_from_sums", x, _PHASED_FLOAT64)
     return _layer_norm_grads_fake(
         "layer_norm_backward_from_sums", dy, x, weight, compute_dw, compute_db
     )
@@ -345,6 +372,7 @@ def _check_one_fp32(op: str, name: str, t: torch.Tensor | None, x: torch.Tensor)
 
 def _check_quant(op, x, residual, weight, dtype, scale, scale_ub):
     _check_x(op, x)
+    _refuse_float64(op, x, "the quantized operators (inputs: float32, float16, bfloat16)")
     if residual is not None:
         _check_like_x(op, "residual", residual, x)
     _check_vector(op, "weight", weight, x)

@@ -3,7 +3,9 @@
 Every function normalizes over the last dimension of ``x`` (any shape ``[..., D]``) and
 accepts fp32, fp16 and bf16. The weight (and bias) is 1-D of length D, in x's dtype or in
 fp32 (fp32 master weights with a bf16 activation need no cast). Arithmetic is fp32 and each
-output element is rounded once to x's dtype.
+output element is rounded once to x's dtype. float64 is accepted too (rms_norm, the fused
+add, layer_norm and their backward), for ``torch.autograd.gradcheck``: every tensor is then
+float64 and the arithmetic fp64 (a verification dtype, not a speed path).
 
 Memory layout: an input whose last dimension is contiguous and whose leading dimensions are
 evenly spaced rows (any contiguous tensor, a slice ``x[:, :k]``, a row-strided view, ...) is

@@ -26,6 +26,8 @@ std::size_t dtype_size(DType dtype) {
     case DType::kInt8:
     case DType::kFloat8E4M3:
       return 1;
+    case DType::kFloat64:
+      return 8;
   }
   throw Error("fusednorm: unsupported dtype value " + std::to_string(static_cast<int>(dtype)));
 }
@@ -42,6 +44,8 @@ const char* dtype_name(DType dtype) {
       return "int8";
     case DType::kFloat8E4M3:
       return "float8_e4m3fn";
+    case DType::kFloat64:
+      return "float64";
   }
   return "invalid";
 }

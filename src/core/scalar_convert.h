@@ -89,8 +89,17 @@ inline float load_as_float(const void* data, DType dtype, std::int64_t i) {
       return static_cast<float>(static_cast<const std::int8_t*>(data)[i]);
     case DType::kFloat8E4M3:
       return e4m3_to_float(static_cast<const std::uint8_t*>(data)[i]);
+    case DType::kFloat64:
+      return static_cast<float>(static_cast<const double*>(data)[i]);
   }
   return 0.0f;
+}
+
+// Load element i as a double: exact for every dtype (float64 included, which
+// load_as_float would round).
+inline double load_as_double(const void* data, DType dtype, std::int64_t i) {
+  if (dtype == DType::kFloat64) return static_cast<const double*>(data)[i];
+  return load_as_float(data, dtype, i);
 }
 
 // Store an fp32 value as element i, rounding once to the dtype.
@@ -108,6 +117,9 @@ inline void store_from_float(void* data, DType dtype, std::int64_t i, float valu
     case DType::kInt8:
     case DType::kFloat8E4M3:
       return;  // quantized outputs are stored by quantize.h's saturating conversions only
+    case DType::kFloat64:
+      static_cast<double*>(data)[i] = value;
+      return;
   }
 }
 

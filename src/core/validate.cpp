@@ -13,7 +13,8 @@ void fail(const char* op, const char* argument, const std::string& message) {
 namespace {
 
 bool valid_dtype(DType dtype) {
-  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16 ||
+         dtype == DType::kFloat64;
 }
 
 // Half-open byte range [begin, end) a matrix touches; empty when it has no rows.
@@ -48,7 +49,7 @@ void check_dtype(const char* op, const char* name, DType dtype) {
     fail(op, name,
          std::string("dtype ") + dtype_name(dtype) +
              " is an output dtype of the quantized operators only (inputs: float32, float16, "
-             "bfloat16)");
+             "bfloat16, float64)");
   }
   if (!valid_dtype(dtype)) {
     fail(op, name, "unsupported dtype value " + std::to_string(static_cast<int>(dtype)));
@@ -103,6 +104,11 @@ void check_vector(const char* op, const char* name, const ConstVector& v, const 
     return;
   }
   check_dtype(op, name, v.dtype);
+  if (x.dtype == DType::kFloat64 && v.dtype != DType::kFloat64) {
+    fail(op, name,
+         std::string("dtype ") + dtype_name(v.dtype) +
+             " must be float64 like x's (a float64 call takes no other dtype)");
+  }
   if (v.dtype != x.dtype && v.dtype != DType::kFloat32) {
     fail(op, name,
          std::string("dtype ") + dtype_name(v.dtype) + " must be x's dtype (" +
@@ -145,6 +151,16 @@ void check_required_rows(const char* op, const char* name, const float* data, st
   if (data == nullptr && rows > 0) fail(op, name, "is null but rows > 0 (required)");
 }
 
+// float64 is a verification dtype of the one-call operators (fusednorm.h, Numerics): the
+// phased operators exchange fp32 row sums, and the quantized ones are an inference path.
+constexpr const char* kPhasedFloat64 =
+    "the two-phase operators (their row sums are fp32; use the one-call operator)";
+void refuse_float64(const char* op, const ConstMatrix& x, const char* why) {
+  if (x.dtype == DType::kFloat64) {
+    fail(op, "x", std::string("dtype float64 is not supported by ") + why);
+  }
+}
+
 // Phase 1 of the forward: x (and residual), the sums out (LayerNorm's deviations: and the
 // whole row's sums in), nothing else.
 void validate_partial_sums(const char* op, const ForwardProblem& p) {
@@ -172,6 +188,7 @@ void validate_partial_sums(const char* op, const ForwardProblem& p) {
 // scales out; static scale and upper bound in.
 void validate_quantized(const char* op, const ForwardProblem& p) {
   check_matrix(op, "x", p.x);
+  refuse_float64(op, p.x, "the quantized operators (inputs: float32, float16, bfloat16)");
   if (p.has_residual()) check_same_shape(op, "residual", p.residual, p.x);
   if (!quantized_dtype(p.q.dtype)) {
     const bool known = valid_dtype(p.q.dtype);
@@ -244,6 +261,10 @@ void validate(const char* op, const ForwardProblem& p) {
     validate_quantized(op, p);
     return;
   }
+  if (p.phase != Phase::kWhole) {
+    check_matrix(op, "x", p.x);
+    refuse_float64(op, p.x, kPhasedFloat64);
+  }
   if (p.phase == Phase::kPartialSums || p.phase == Phase::kPartialDeviations) {
     validate_partial_sums(op, p);
     return;
@@ -299,6 +320,7 @@ void validate(const char* op, const ForwardProblem& p) {
 
 void validate(const char* op, const BackwardProblem& p) {
   check_matrix(op, "x", p.x);
+  if (p.phase != Phase::kWhole) refuse_float64(op, p.x, kPhasedFloat64);
   check_same_shape(op, "dy", p.dy, p.x);
   if (p.dx.data != nullptr) check_same_shape(op, "dx", p.dx, p.x);
   const bool centered = p.kind == NormKind::kLayer;

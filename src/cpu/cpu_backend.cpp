@@ -13,6 +13,7 @@
 
 #include "core/quantize.h"
 #include "core/scalar_convert.h"
+#include "cpu/f64_kernels.h"
 #include "cpu/quant_kernels.h"
 #include "cpu/row_kernels.h"
 
@@ -764,6 +765,10 @@ std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
 
 void forward(const ForwardProblem& p, int num_threads) {
   if (p.rows() == 0) return;
+  if (p.x.dtype == DType::kFloat64) {
+    forward_f64(p, num_threads);
+    return;
+  }
   if (p.is_quantized()) {
     forward_quantized(p, num_threads);
     return;
@@ -795,6 +800,10 @@ void backward(const BackwardProblem& p, int num_threads) {
   if (p.rows() == 0) {
     zero_vector(p.dw);
     zero_vector(p.db);
+    return;
+  }
+  if (p.x.dtype == DType::kFloat64) {
+    backward_f64(p, num_threads);
     return;
   }
   if (p.phase == Phase::kPartialSums) {

@@ -71,6 +71,7 @@ cudaError_t dispatch_dtype(DType dtype, Fn&& fn) {
     case DType::kBFloat16: return fn(TypeTag<__nv_bfloat16>{});
     case DType::kInt8:
     case DType::kFloat8E4M3: break;  // output-only dtypes: validation refuses them as inputs
+    case DType::kFloat64: break;     // its own kernels (norm_f64.cu), launched before this
   }
   return cudaErrorInvalidValue;
 }
@@ -114,18 +115,6 @@ std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
 void forward(const char* op, const ForwardProblem& p, void* stream) {
   check_phase_supported(op, p.kind, p.phase);
   if (p.rows() == 0) return;
-  ProblemShape shape = problem_shape(
-      p.x, {p.x.data, p.residual.data, p.y.data, p.weight.data, p.bias.data},
-      {p.x.row_stride, p.has_residual() ? p.residual.row_stride : 0, p.y.data != nullptr ? p.y.row_stride : 0});
-  // The quantized output is stored kVec bytes at a time (8 for 16-bit x, 4 for fp32).
-  if (p.is_quantized()) {
-    shape.vector_aligned =
-        shape.vector_aligned && quantized_output_aligned(shape.elem_bytes, p.q.data, p.q.row_stride);
-  }
-  PlanOptions options = plan_options();
-  options.two_pass_only = p.phase != detail::Phase::kWhole;
-  const LaunchPlan plan = plan_forward(shape, device_info(op), options);
-
   ForwardArgs a = {};
   a.centered = p.kind == NormKind::kLayer;
   a.x = p.x.data;
@@ -159,6 +148,23 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
   }
 
   const auto s = static_cast<cudaStream_t>(stream);
+  if (p.x.dtype == DType::kFloat64) {
+    check(op, "kernel launch", launch_forward_f64(a, s));
+    return;
+  }
+
+  ProblemShape shape =
+      problem_shape(p.x, {p.x.data, p.residual.data, p.y.data, p.weight.data, p.bias.data},
+                    {p.x.row_stride, p.has_residual() ? p.residual.row_stride : 0,
+                     p.y.data != nullptr ? p.y.row_stride : 0});
+  // The quantized output is stored kVec bytes at a time (8 for 16-bit x, 4 for fp32).
+  if (p.is_quantized()) {
+    shape.vector_aligned = shape.vector_aligned &&
+                           quantized_output_aligned(shape.elem_bytes, p.q.data, p.q.row_stride);
+  }
+  PlanOptions options = plan_options();
+  options.two_pass_only = p.phase != detail::Phase::kWhole;
+  const LaunchPlan plan = plan_forward(shape, device_info(op), options);
   check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {
           using T = typename decltype(tag)::type;
           return p.is_quantized() ? launch_forward_quant<T>(plan, a, s) : launch_forward<T>(plan, a, s);
@@ -178,17 +184,6 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
   }
   const bool sums_only = p.phase == detail::Phase::kPartialSums;
   if (p.dx.data == nullptr && !want_dw && !want_db && !sums_only) return;
-
-  ProblemShape shape = problem_shape(
-      p.x, {p.dy.data, p.x.data, p.dx.data, p.weight.data, p.dx_addend.data},
-      {p.dy.row_stride, p.x.row_stride, p.dx.data != nullptr ? p.dx.row_stride : 0,
-       p.has_addend() ? p.dx_addend.row_stride : 0});
-  // Must match the launcher's kernel variant (BackwardVariant::kDw / kDb).
-  const bool accumulate = want_dw || want_db;
-  shape.accumulators = accumulate ? (p.weight.data != nullptr ? 1 : 0) + (p.kind == NormKind::kLayer ? 1 : 0) : 0;
-  PlanOptions options = plan_options();
-  options.two_pass_only = p.phase != detail::Phase::kWhole;
-  const LaunchPlan plan = plan_backward(shape, device_info(op), options);
 
   BackwardArgs a = {};
   a.centered = p.kind == NormKind::kLayer;
@@ -226,6 +221,25 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
     a.db_partial = want_db ? reinterpret_cast<float*>(base + layout.db_offset) : nullptr;
     a.coef = reinterpret_cast<float*>(base + layout.coef_offset);
   }
+  if (p.x.dtype == DType::kFloat64) {
+    // The workspace's coefficient region holds the rows' fp64 mean and rstd (launchers.h).
+    check(op, "kernel launch",
+          launch_backward_f64(a, reinterpret_cast<double*>(a.coef), want_dw ? p.dw.data : nullptr,
+                              want_db ? p.db.data : nullptr, s));
+    return;
+  }
+
+  ProblemShape shape =
+      problem_shape(p.x, {p.dy.data, p.x.data, p.dx.data, p.weight.data, p.dx_addend.data},
+                    {p.dy.row_stride, p.x.row_stride, p.dx.data != nullptr ? p.dx.row_stride : 0,
+                     p.has_addend() ? p.dx_addend.row_stride : 0});
+  // Must match the launcher's kernel variant (BackwardVariant::kDw / kDb).
+  const bool accumulate = want_dw || want_db;
+  shape.accumulators =
+      accumulate ? (p.weight.data != nullptr ? 1 : 0) + (p.kind == NormKind::kLayer ? 1 : 0) : 0;
+  PlanOptions options = plan_options();
+  options.two_pass_only = p.phase != detail::Phase::kWhole;
+  const LaunchPlan plan = plan_backward(shape, device_info(op), options);
   const BackwardOutputs out = {p.dw.data, out_dtype(p.dw.dtype), p.db.data, out_dtype(p.db.dtype)};
 
   check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {

@@ -158,6 +158,9 @@ inline constexpr int kTwoPassThreads = 512;  // two-pass forward and backward ro
 inline constexpr int kTileThreads = 256;     // two-pass backward column-tile kernel
 inline constexpr int kFinishThreads =
     1024;  // dw / db finishing kernel: 32 columns x up to 32 lanes
+// The float64 verification kernels (norm_f64.cu): their shared-memory reduction holds one
+// double per thread, kStaticSmemReserve bytes at this size.
+inline constexpr int kFloat64Threads = 128;
 // Registers per SM (sm_80, sm_90): a CTA of n threads launches only when each thread needs
 // at most kRegistersPerSm / n registers. tests/cuda/check_sass.py checks every compiled kernel
 // against the largest CTA the planner gives its family (kMaxThreadsPerCta: 128 registers).

@@ -37,4 +37,10 @@ template <typename T>
 cudaError_t launch_backward(const LaunchPlan& plan, const BackwardArgs& args,
                             const BackwardOutputs& out, cudaStream_t stream);
 
+// float64 (norm_f64.cu): the one-call operators only. row_stats: 2 doubles per row of
+// device scratch (the workspace's coefficient region), needed when dw or db is wanted.
+cudaError_t launch_forward_f64(const ForwardArgs& args, cudaStream_t stream);
+cudaError_t launch_backward_f64(const BackwardArgs& args, double* row_stats, void* dw, void* db,
+                                cudaStream_t stream);
+
 }  // namespace fusednorm::cuda

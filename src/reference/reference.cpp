@@ -10,14 +10,14 @@
 namespace fusednorm::reference {
 namespace {
 
-using detail::load_as_float;
+using detail::load_as_double;
 
 double element(const ConstMatrix& m, std::int64_t r, std::int64_t j) {
-  return load_as_float(m.data, m.dtype, r * m.row_stride + j);
+  return load_as_double(m.data, m.dtype, r * m.row_stride + j);
 }
 
 double weight_at(const ConstVector& w, std::int64_t j, double offset) {
-  return w.data == nullptr ? 1.0 : load_as_float(w.data, w.dtype, j) + offset;
+  return w.data == nullptr ? 1.0 : load_as_double(w.data, w.dtype, j) + offset;
 }
 
 std::size_t index(std::int64_t r, std::int64_t cols, std::int64_t j) {
@@ -50,7 +50,7 @@ ForwardResult normalize(const std::vector<double>& source, std::int64_t rows, st
     out.rstd[r] = rstd;
     for (std::int64_t j = 0; j < cols; ++j) {
       double v = (source[index(r, cols, j)] - mean) * rstd * weight_at(weight, j, weight_offset);
-      if (bias.data != nullptr) v += load_as_float(bias.data, bias.dtype, j);
+      if (bias.data != nullptr) v += load_as_double(bias.data, bias.dtype, j);
       out.y[index(r, cols, j)] = v;
     }
   }
@@ -116,9 +116,12 @@ ForwardResult fused_add_rms_norm(ConstMatrix x, ConstMatrix residual, ConstVecto
   std::vector<double> updated(static_cast<std::size_t>(x.rows * x.cols));
   for (std::int64_t r = 0; r < x.rows; ++r) {
     for (std::int64_t j = 0; j < x.cols; ++j) {
-      // The stored residual is the fp32 sum rounded once to the dtype.
-      const float sum = static_cast<float>(element(x, r, j) + element(residual, r, j));
-      updated[index(r, x.cols, j)] = detail::round_to_dtype(sum, residual.dtype);
+      // The stored residual is the fp32 sum rounded once to the dtype (float64: the fp64 sum).
+      const double exact = element(x, r, j) + element(residual, r, j);
+      updated[index(r, x.cols, j)] =
+          residual.dtype == DType::kFloat64
+              ? exact
+              : detail::round_to_dtype(static_cast<float>(exact), residual.dtype);
     }
   }
   ForwardResult out =

@@ -149,6 +149,8 @@ void run_backward(Rng& rng, bool centered, DType dtype, WeightKind weight_kind,
   }
 
   const std::string op = centered ? "layer_norm_backward " : "rms_norm_backward ";
+  // The cross-row sums of dw / db: fp32 accumulation, fp64 for float64 calls.
+  const double accumulation = tolerance(dtype == DType::kFloat64 ? dtype : DType::kFloat32);
   if (c.dx_mode != DxMode::kAbsent) {
     const Buffer& got = c.dx_mode == DxMode::kInPlace ? dy : dx;
     EXPECT_TRUE(got.check_written("dx"));
@@ -165,12 +167,12 @@ void run_backward(Rng& rng, bool centered, DType dtype, WeightKind weight_kind,
   if (want_dw) {
     EXPECT_TRUE(dw.check_written("dw"));
     EXPECT_TRUE(compare_vector(op + "dw " + dtype_str(grad_dtype), dw, ref.dw, dw_abs_sum,
-                               tolerance(grad_dtype), tolerance(DType::kFloat32)));
+                               tolerance(grad_dtype), accumulation));
   }
   if (want_db) {
     EXPECT_TRUE(db.check_written("db"));
     EXPECT_TRUE(compare_vector(op + "db " + dtype_str(grad_dtype), db, ref.db, db_abs_sum,
-                               tolerance(grad_dtype), tolerance(DType::kFloat32)));
+                               tolerance(grad_dtype), accumulation));
   }
   if (c.workspace) {
     EXPECT_TRUE(workspace.check_guards("workspace"));
@@ -303,6 +305,7 @@ TEST_P(RmsNormBackwardTest, ZeroRowsZeroesDw) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, RmsNormBackwardTest, all_rms_variants(), rms_variant_name);
+INSTANTIATE_TEST_SUITE_P(Float64, RmsNormBackwardTest, float64_rms_variants(), rms_variant_name);
 
 // ---- LayerNorm ----------------------------------------------------------------------------
 
@@ -379,6 +382,11 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, LayerNormBackwardTest,
                                             ::testing::Values(WeightKind::kNone,
                                                               WeightKind::kSame,
                                                               WeightKind::kFloat32)),
+                         layer_backward_name);
+INSTANTIATE_TEST_SUITE_P(Float64, LayerNormBackwardTest,
+                         ::testing::Combine(::testing::Values(DType::kFloat64),
+                                            ::testing::Values(WeightKind::kNone,
+                                                              WeightKind::kSame)),
                          layer_backward_name);
 
 // The workspace the caller passes is exactly what backward_workspace_bytes says; the

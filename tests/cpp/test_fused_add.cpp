@@ -99,6 +99,7 @@ TEST_P(FusedAddTest, ZeroRowsIsANoOp) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, FusedAddTest, all_rms_variants(), rms_variant_name);
+INSTANTIATE_TEST_SUITE_P(Float64, FusedAddTest, float64_rms_variants(), rms_variant_name);
 
 }  // namespace
 }  // namespace fusednorm::test

@@ -130,6 +130,12 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(WeightKind::kNone, WeightKind::kSame,
                                          WeightKind::kFloat32)),
     layer_param_name);
+INSTANTIATE_TEST_SUITE_P(Float64, LayerNormTest,
+                         ::testing::Combine(::testing::Values(DType::kFloat64),
+                                            ::testing::Values(WeightKind::kNone, WeightKind::kSame),
+                                            ::testing::Values(WeightKind::kNone,
+                                                              WeightKind::kSame)),
+                         layer_param_name);
 
 }  // namespace
 }  // namespace fusednorm::test

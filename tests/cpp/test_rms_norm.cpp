@@ -102,6 +102,7 @@ TEST_P(RmsNormTest, ZeroRowsIsANoOp) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, RmsNormTest, all_rms_variants(), rms_variant_name);
+INSTANTIATE_TEST_SUITE_P(Float64, RmsNormTest, float64_rms_variants(), rms_variant_name);
 
 }  // namespace
 }  // namespace fusednorm::test

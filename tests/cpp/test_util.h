@@ -34,6 +34,7 @@ inline constexpr DType kAllDTypes[] = {DType::kFloat32, DType::kFloat16, DType::
 inline constexpr std::uint32_t kSentinel32 = 0x7fa5a5a5u;
 inline constexpr std::uint16_t kSentinel16 = 0x7d5au;   // fp16 sNaN
 inline constexpr std::uint16_t kSentinelBf = 0x7f85u;   // bf16 sNaN
+inline constexpr std::uint64_t kSentinel64 = 0x7ff5a5a5a5a5a5a5u;  // fp64 sNaN
 // Elements of guard before and after each buffer; odd so that views start unaligned.
 inline constexpr std::int64_t kGuard = 37;
 
@@ -81,8 +82,9 @@ class Buffer {
 
   double at(std::int64_t r, std::int64_t j) const;
   double at(std::int64_t j) const { return at(0, j); }
-  // Stores v rounded (once, from double to the dtype via fp32).
+  // Stores v rounded (once, from double to the dtype via fp32; float64 stores v itself).
   void set(std::int64_t r, std::int64_t j, double v);
+  // The element's bit pattern (float64: its low 32 bits; compare values() for those).
   std::uint32_t bits(std::int64_t r, std::int64_t j) const;
   bool is_sentinel(std::int64_t r, std::int64_t j) const;
 
@@ -202,6 +204,13 @@ class RmsVariantTest : public ::testing::TestWithParam<RmsVariant> {
 inline auto all_rms_variants() {
   return ::testing::Combine(::testing::ValuesIn(kAllDTypes),
                             ::testing::Values(WeightKind::kNone, WeightKind::kSame, WeightKind::kFloat32),
+                            ::testing::Values(0.0f, 1.0f));
+}
+// float64 (a verification dtype: no mixing, so no fp32 weight): no weight or a float64
+// weight; both offsets.
+inline auto float64_rms_variants() {
+  return ::testing::Combine(::testing::Values(DType::kFloat64),
+                            ::testing::Values(WeightKind::kNone, WeightKind::kSame),
                             ::testing::Values(0.0f, 1.0f));
 }
 std::string rms_variant_name(const ::testing::TestParamInfo<RmsVariant>& info);

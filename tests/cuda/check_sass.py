@@ -34,6 +34,12 @@ FAMILIES = {
     "norm_backward_coef_kernel": "kTwoPassThreads",
     "norm_backward_tile_kernel": "kTileThreads",
     "finish_column_sums_kernel": "kFinishThreads",
+    # float64 (norm_f64.cu): checked for spills and registers only. A verification dtype,
+    # one double per access by design, so not in VECTORIZED.
+    "forward_f64_kernel": "kFloat64Threads",
+    "row_stats_f64_kernel": "kFloat64Threads",
+    "weight_grads_f64_kernel": "kFloat64Threads",
+    "dx_f64_kernel": "kFloat64Threads",
 }
 MAX_REGISTERS = 255  # per thread, by the instruction set
 # Families whose full-vector instantiations must move 16 bytes per global access.

@@ -1155,5 +1155,180 @@ TEST(CudaQuant, GraphReplayReadsTheCurrentStaticScale) {
   cudaStreamDestroy(stream);
 }
 
+// ---- float64 (norm_f64.cu): the verification dtype, against the fp64 reference at fp64
+// tolerance, with strides, D = 1 and odd D, a zero row, in-place dx, the dx addend, and dw /
+// db repeated bit for bit. The backward is handed a wrong fp32 rstd: float64 recomputes it.
+
+struct F64Case {
+  std::int64_t rows, cols, pad;
+};
+
+std::vector<F64Case> f64_cases() {
+  return {{1, 1, 0}, {5, 1, 3}, {7, 33, 0}, {3, 129, 5}, {130, 257, 2}, {2, 4099, 1}};
+}
+
+// |got - ref| <= 1e-12 * max|ref| per output (fp64 arithmetic, tree-ordered sums).
+void expect_f64_close(const std::vector<double>& ref, const double* got, std::int64_t rows,
+                      std::int64_t cols, std::int64_t stride, const std::string& what) {
+  double scale = 1e-300;
+  for (double r : ref) scale = std::max(scale, std::abs(r));
+  std::int64_t bad = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double g = got[r * stride + j], e = ref[static_cast<std::size_t>(r * cols + j)];
+      if (!(std::abs(g - e) <= 1e-12 * scale) && bad++ < 5) {
+        ADD_FAILURE() << what << "[" << r << ", " << j << "]: got " << g << ", reference " << e;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+TEST(CudaFloat64, ForwardMatchesReference) {
+  REQUIRE_GPU();
+  std::mt19937 rng(64);
+  for (const F64Case& c : f64_cases()) {
+    SCOPED_TRACE(::testing::Message() << c.rows << " x " << c.cols << " pad " << c.pad);
+    const std::int64_t stride = c.cols + c.pad, n = c.rows * stride;
+    Buffer x(DType::kFloat64, n), res(DType::kFloat64, n), y(DType::kFloat64, n);
+    Buffer w(DType::kFloat64, c.cols), b(DType::kFloat64, c.cols), rstd(DType::kFloat32, c.rows),
+        mean(DType::kFloat32, c.rows);
+    x.fill_random(rng);
+    res.fill_random(rng);
+    w.fill_random(rng, 0.5f, 1.5f);
+    b.fill_random(rng);
+    for (std::int64_t j = 0; j < c.cols; ++j)
+      detail::store_from_float(x.host(), DType::kFloat64, j, 0.0f);  // row 0: zeros
+    for (Buffer* buf : {&x, &res, &w, &b}) buf->upload();
+    const ConstMatrix xh = const_matrix(x.host(), DType::kFloat64, c.rows, c.cols, stride);
+    const ConstMatrix xd = const_matrix(x.device(), DType::kFloat64, c.rows, c.cols, stride);
+    const Matrix yd = matrix(y.device(), DType::kFloat64, c.rows, c.cols, stride);
+    const double* yh = static_cast<const double*>(y.host());
+    for (const bool weighted : {false, true}) {
+      for (const float offset : {0.0f, 1.0f}) {
+        const ConstVector wv =
+            weighted ? ConstVector{w.device(), DType::kFloat64, c.cols} : ConstVector{};
+        const ConstVector wh =
+            weighted ? ConstVector{w.host(), DType::kFloat64, c.cols} : ConstVector{};
+        RmsNormOptions options;
+        options.weight_offset = offset;
+        rms_norm(kGpu, xd, wv, yd, static_cast<float*>(rstd.device()), options);
+        CUDA_OK(cudaDeviceSynchronize());
+        y.download();
+        rstd.download();
+        const auto ref = reference::rms_norm(xh, wh, options);
+        expect_f64_close(ref.y, yh, c.rows, c.cols, stride, "rms_norm y");
+        for (std::int64_t r = 0; r < c.rows; ++r)
+          EXPECT_NEAR(rstd.get(r), ref.rstd[r], ref.rstd[r] * 0x1p-24) << r;
+      }
+    }
+    const ConstVector wv{w.device(), DType::kFloat64, c.cols},
+        bv{b.device(), DType::kFloat64, c.cols};
+    const ConstVector wh{w.host(), DType::kFloat64, c.cols}, bh{b.host(), DType::kFloat64, c.cols};
+    layer_norm(kGpu, xd, wv, bv, yd, static_cast<float*>(mean.device()),
+               static_cast<float*>(rstd.device()));
+    CUDA_OK(cudaDeviceSynchronize());
+    y.download();
+    expect_f64_close(reference::layer_norm(xh, wh, bh).y, yh, c.rows, c.cols, stride,
+                     "layer_norm y");
+
+    const auto fused = reference::fused_add_rms_norm(
+        xh, const_matrix(res.host(), DType::kFloat64, c.rows, c.cols, stride), wh);
+    fused_add_rms_norm(kGpu, xd, matrix(res.device(), DType::kFloat64, c.rows, c.cols, stride), wv,
+                       yd, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    y.download();
+    res.download();
+    expect_f64_close(fused.y, yh, c.rows, c.cols, stride, "fused_add y");
+    expect_f64_close(fused.residual, static_cast<const double*>(res.host()), c.rows, c.cols, stride,
+                     "fused_add residual");
+  }
+}
+
+TEST(CudaFloat64, BackwardMatchesReference) {
+  REQUIRE_GPU();
+  std::mt19937 rng(65);
+  for (const F64Case& c : f64_cases()) {
+    SCOPED_TRACE(::testing::Message() << c.rows << " x " << c.cols << " pad " << c.pad);
+    const std::int64_t stride = c.cols + c.pad, n = c.rows * stride;
+    Buffer x(DType::kFloat64, n), dy(DType::kFloat64, n), dx(DType::kFloat64, n),
+        addend(DType::kFloat64, n);
+    Buffer w(DType::kFloat64, c.cols), dw(DType::kFloat64, c.cols), db(DType::kFloat64, c.cols);
+    Buffer wrong(DType::kFloat32, 2 * c.rows);
+    x.fill_random(rng);
+    dy.fill_random(rng);
+    addend.fill_random(rng);
+    w.fill_random(rng, 0.5f, 1.5f);
+    wrong.fill(0.25f);
+    for (Buffer* buf : {&x, &dy, &addend, &w, &wrong}) buf->upload();
+    const std::size_t ws_bytes = backward_workspace_bytes(kGpu, c.rows, c.cols);
+    void* ws = nullptr;
+    CUDA_OK(cudaMalloc(&ws, ws_bytes));
+    const ConstMatrix xh = const_matrix(x.host(), DType::kFloat64, c.rows, c.cols, stride);
+    const ConstMatrix dyh = const_matrix(dy.host(), DType::kFloat64, c.rows, c.cols, stride);
+    const ConstMatrix addh = const_matrix(addend.host(), DType::kFloat64, c.rows, c.cols, stride);
+    const ConstMatrix xd = const_matrix(x.device(), DType::kFloat64, c.rows, c.cols, stride);
+    const ConstMatrix dyd = const_matrix(dy.device(), DType::kFloat64, c.rows, c.cols, stride);
+    const ConstMatrix addd = const_matrix(addend.device(), DType::kFloat64, c.rows, c.cols, stride);
+    const ConstVector wv{w.device(), DType::kFloat64, c.cols},
+        wh{w.host(), DType::kFloat64, c.cols};
+    const Vector dwv{dw.device(), DType::kFloat64, c.cols},
+        dbv{db.device(), DType::kFloat64, c.cols};
+    const Matrix dxd = matrix(dx.device(), DType::kFloat64, c.rows, c.cols, stride);
+    const float* wrong_mean = static_cast<const float*>(wrong.device());
+    const float* wrong_rstd = wrong_mean + c.rows;
+    RmsNormOptions gemma;
+    gemma.weight_offset = 1.0f;
+    auto dw_bits = [&] {
+      dw.download();
+      return std::vector<double>(static_cast<const double*>(dw.host()),
+                                 static_cast<const double*>(dw.host()) + c.cols);
+    };
+
+    const auto rms = reference::rms_norm_backward(dyh, xh, wh, gemma, addh);
+    rms_norm_backward(kGpu, dyd, xd, wv, wrong_rstd, dxd, dwv, gemma, {ws, ws_bytes}, addd);
+    CUDA_OK(cudaDeviceSynchronize());
+    dx.download();
+    expect_f64_close(rms.dx, static_cast<const double*>(dx.host()), c.rows, c.cols, stride,
+                     "rms dx");
+    const std::vector<double> first = dw_bits();
+    expect_f64_close(rms.dw, first.data(), 1, c.cols, c.cols, "rms dw");
+    rms_norm_backward(kGpu, dyd, xd, wv, nullptr, {}, dwv, gemma, {ws, ws_bytes});
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_TRUE(dw_bits() == first) << "dw differs between runs";
+
+    const auto ln = reference::layer_norm_backward(dyh, xh, wh, true);
+    layer_norm_backward(kGpu, dyd, xd, wv, wrong_mean, wrong_rstd, dxd, dwv, dbv, {},
+                        {ws, ws_bytes});
+    CUDA_OK(cudaDeviceSynchronize());
+    dx.download();
+    db.download();
+    expect_f64_close(ln.dx, static_cast<const double*>(dx.host()), c.rows, c.cols, stride,
+                     "layer dx");
+    expect_f64_close(ln.dw, dw_bits().data(), 1, c.cols, c.cols, "layer dw");
+    expect_f64_close(ln.db, static_cast<const double*>(db.host()), 1, c.cols, c.cols, "layer db");
+
+    // dx written over dy, with dw: dw must still see the original dy.
+    const auto plain = reference::rms_norm_backward(dyh, xh, wh);
+    rms_norm_backward(kGpu, dyd, xd, wv, nullptr,
+                      matrix(dy.device(), DType::kFloat64, c.rows, c.cols, stride), dwv, {},
+                      {ws, ws_bytes});
+    CUDA_OK(cudaDeviceSynchronize());
+    dy.download();
+    expect_f64_close(plain.dx, static_cast<const double*>(dy.host()), c.rows, c.cols, stride,
+                     "in-place dx");
+    expect_f64_close(plain.dw, dw_bits().data(), 1, c.cols, c.cols, "in-place dw");
+    cudaFree(ws);
+  }
+}
+
+TEST(CudaFloat64, PhasedAndQuantizedRefuseIt) {
+  REQUIRE_GPU();
+  Buffer x(DType::kFloat64, 8), sums(DType::kFloat32, 2);
+  EXPECT_THROW(rms_norm_partial_sum_squares(kGpu, const_matrix(x.device(), DType::kFloat64, 2, 4),
+                                            static_cast<float*>(sums.device())),
+               Error);
+}
+
 }  // namespace
 }  // namespace fusednorm

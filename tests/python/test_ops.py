@@ -343,7 +343,11 @@ def test_thread_count_follows_torch():
 
 BAD_CALLS = {
     "int x": (lambda: ops.rms_norm(torch.ones(2, 4, dtype=torch.int64), None, 1e-6, 0.0), "'x'"),
-    "fp64 x": (lambda: ops.rms_norm(torch.ones(2, 4, dtype=torch.float64), None, 1e-6, 0.0), "'x'"),
+    "complex x": (lambda: ops.rms_norm(torch.ones(2, 4, dtype=torch.complex128), None, 1e-6, 0.0), "'x'"),
+    "fp64 x, fp32 weight": (
+        lambda: ops.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4), 1e-6, 0.0),
+        "'weight'",
+    ),
     "bool x": (lambda: ops.layer_norm(torch.ones(2, 4, dtype=torch.bool), None, None, 1e-5), "'x'"),
     "scalar x": (lambda: ops.rms_norm(torch.tensor(1.0), None, 1e-6, 0.0), "'x'"),
     "D = 0": (lambda: ops.rms_norm(torch.ones(3, 0), None, 1e-6, 0.0), "'x'"),
