@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "core/scalar_convert.h"
@@ -20,29 +21,31 @@ namespace HWY_NAMESPACE {
 
 // Two consecutive vectors (2 * lanes elements) at p: one combined store where the type
 // provides it (bf16), else two.
-template <typename T>
+template <typename T, NaNPayloads kNaNs>
 void StorePair(DF df, VF first, VF second, T* p) {
+  using IO = ElementIO<T, kNaNs>;
   if constexpr (std::is_same_v<T, hwy::bfloat16_t> && HWY_TARGET != HWY_SCALAR) {
-    ElementIO<T>::StorePair(df, first, second, p);
+    IO::StorePair(df, first, second, p);
   } else {
-    ElementIO<T>::Store(df, first, p);
-    ElementIO<T>::Store(df, second, p + hn::Lanes(df));
+    IO::Store(df, first, p);
+    IO::Store(df, second, p + hn::Lanes(df));
   }
 }
-template <typename T>
+template <typename T, NaNPayloads kNaNs>
 void StreamPair(DF df, VF first, VF second, T* aligned) {
+  using IO = ElementIO<T, kNaNs>;
   if constexpr (std::is_same_v<T, hwy::bfloat16_t> && HWY_TARGET != HWY_SCALAR) {
-    ElementIO<T>::StreamPair(df, first, second, aligned);
+    IO::StreamPair(df, first, second, aligned);
   } else {
-    ElementIO<T>::Stream(df, first, aligned);
-    ElementIO<T>::Stream(df, second, aligned + hn::Lanes(df));
+    IO::Stream(df, first, aligned);
+    IO::Stream(df, second, aligned + hn::Lanes(df));
   }
 }
 
 // Writes n elements of each of kRows output rows, one vector at a time: row k's
-// [i, i + count) = make(full, i, count)[k]. All rows must share their address modulo 64
-// (consecutive rows of a matrix whose row pitch is a multiple of 64 bytes do).
-// kStream: outputs too large for the caches go out with non-temporal stores, which skip
+// [i, i + count) = make(full, i, count)[k]; kNaNs: what is known of their NaNs. All rows must share
+// their address modulo 64 (consecutive rows of a matrix whose row pitch is a multiple of 64 bytes
+// do). kStream: outputs too large for the caches go out with non-temporal stores, which skip
 // reading each line before overwriting it (as memcpy does); the first elements go through
 // the staging path until `out` reaches vector alignment. The caller must issue a store
 // fence before the output is read (cpu_backend.cpp's parallel_for does).
@@ -50,24 +53,34 @@ void StreamPair(DF df, VF first, VF second, T* aligned) {
 // alias anything, so captured references would be reloaded from memory after every store
 // (the streamed fp16 forward write pass, 16384 x 4096 on one thread, took 10.0 ms instead
 // of 6.9 ms).
-template <typename T, bool kStream, size_t kRows, class MakeFn>
+template <typename T, bool kStream, NaNPayloads kNaNs, size_t kRows, class MakeFn>
 void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) {
+  using IO = ElementIO<T, kNaNs>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   // Ordinary stores of [begin, end): whole vectors, then one staged partial vector.
   auto store_range = [=](int64_t begin, int64_t end) {
+    // Local copies of the captures: this lambda is called more than once and not inlined,
+    // and its closure's members would be reloaded after every store as well.
+    const MakeFn make_here = make;
+    const std::array<T*, kRows> out_here = out;
+    const int64_t lanes = N;
     int64_t i = begin;
-    for (; i + 2 * N <= end; i += 2 * N) {
-      const auto first = make(Full(), i, N), second = make(Full(), i + N, N);
-      for (size_t k = 0; k < kRows; ++k) StorePair(df, first[k], second[k], out[k] + i);
+    for (; i + 2 * lanes <= end; i += 2 * lanes) {
+      const auto first = make_here(Full(), i, lanes), second = make_here(Full(), i + lanes, lanes);
+      for (size_t k = 0; k < kRows; ++k) {
+        StorePair<T, kNaNs>(df, first[k], second[k], out_here[k] + i);
+      }
     }
-    for (; i + N <= end; i += N) {
-      const auto v = make(Full(), i, N);
-      for (size_t k = 0; k < kRows; ++k) ElementIO<T>::Store(df, v[k], out[k] + i);
+    for (; i + lanes <= end; i += lanes) {
+      const auto v = make_here(Full(), i, lanes);
+      for (size_t k = 0; k < kRows; ++k) IO::Store(df, v[k], out_here[k] + i);
     }
     if (i < end) {
       const size_t rest = static_cast<size_t>(end - i);
-      const auto v = make(Partial(), i, rest);
-      for (size_t k = 0; k < kRows; ++k) Tail<T>(nullptr, rest).Store(df, v[k], out[k] + i);
+      const auto v = make_here(Partial(), i, rest);
+      for (size_t k = 0; k < kRows; ++k) {
+        Tail<T, kNaNs>(nullptr, rest).Store(df, v[k], out_here[k] + i);
+      }
     }
   };
   if constexpr (kStream) {
@@ -89,11 +102,13 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
         int64_t i = first_line;
         for (; i + 2 * N <= last_line; i += 2 * N) {
           const auto first = make(Full(), i, N), second = make(Full(), i + N, N);
-          for (size_t k = 0; k < kRows; ++k) StreamPair(df, first[k], second[k], out[k] + i);
+          for (size_t k = 0; k < kRows; ++k) {
+            StreamPair<T, kNaNs>(df, first[k], second[k], out[k] + i);
+          }
         }
         for (; i < last_line; i += N) {
           const auto v = make(Full(), i, N);
-          for (size_t k = 0; k < kRows; ++k) ElementIO<T>::Stream(df, v[k], out[k] + i);
+          for (size_t k = 0; k < kRows; ++k) IO::Stream(df, v[k], out[k] + i);
         }
         store_range(last_line, n);
         return;
@@ -106,9 +121,9 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
 }
 
 // One output row: out[i, i + count) = make(full, i, count).
-template <typename T, bool kStream, class MakeFn>
+template <typename T, bool kStream, NaNPayloads kNaNs, class MakeFn>
 void WriteRow(DF df, T* out, int64_t n, MakeFn make) {
-  WriteRows<T, kStream, 1>(df, {out}, n, [=](auto full, int64_t i, size_t count) {
+  WriteRows<T, kStream, kNaNs, 1>(df, {out}, n, [=](auto full, int64_t i, size_t count) {
     return std::array<VF, 1>{make(full, i, count)};
   });
 }
@@ -166,21 +181,22 @@ float SumSquares(const void* x, int64_t n, float center) {
 // residual. Shared by the one-row kernel and RmsRows, as SumSquaresOfRow is.
 template <typename T>
 HWY_INLINE float AddResidualOfRow(DF df, const T* x, T* residual, int64_t n) {
+  using IO = ElementIO<T, NaNPayloads::kNarrow>;  // sums of two T
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   VF acc = hn::Zero(df);
   int64_t i = 0;
   for (; i + N <= n; i += N) {
-    const VF sum = hn::Add(ElementIO<T>::Load(df, x + i), ElementIO<T>::Load(df, residual + i));
-    ElementIO<T>::Store(df, sum, residual + i);
-    const VF stored = ElementIO<T>::RoundTrip(df, sum);  // normalize what was stored
+    const VF sum = hn::Add(IO::Load(df, x + i), IO::Load(df, residual + i));
+    IO::Store(df, sum, residual + i);
+    const VF stored = IO::RoundTrip(df, sum);  // normalize what was stored
     acc = hn::MulAdd(stored, stored, acc);
   }
   if (i < n) {
     const size_t rest = static_cast<size_t>(n - i);
-    Tail<T> residual_tail(residual + i, rest);
+    Tail<T, NaNPayloads::kNarrow> residual_tail(residual + i, rest);
     const VF sum = hn::Add(Tail<T>(x + i, rest).Load(df), residual_tail.Load(df));
     residual_tail.Store(df, sum, residual + i);
-    const VF stored = ElementIO<T>::RoundTrip(df, sum);
+    const VF stored = IO::RoundTrip(df, sum);
     acc = hn::MulAdd(stored, stored, acc);  // padding lanes are 0 + 0
   }
   return hn::GetLane(hn::SumOfLanes(df, acc));
@@ -197,15 +213,31 @@ VF LoadParam(IsFull full, DF df, const void* p, int64_t i, size_t count) {
   return LoadElements(full, df, static_cast<const W*>(p) + i, count);
 }
 
+// The NaNs of an output of rows of type T with a weight / bias of type W / B (void: none):
+// narrow unless an fp32 parameter can bring an fp32 payload.
+template <typename T, typename P>
+constexpr bool kNarrowParam = std::is_void_v<P> || std::is_same_v<P, T>;
+template <typename T, typename W, typename B = void>
+constexpr NaNPayloads kOutputNaNs = (kNarrowParam<T, W> && kNarrowParam<T, B>)
+                                        ? NaNPayloads::kNarrow
+                                        : NaNPayloads::kAny;
+
+// A row statistic as the kernels use it: a NaN becomes the default NaN, whose payload is
+// narrow. (Statistics computed from the row already are; the phased calls take the
+// caller's sums, which may carry any payload.)
+inline float NarrowNaN(float v) { return v == v ? v : std::numeric_limits<float>::quiet_NaN(); }
+
 template <typename T, bool kStream, bool kCentered, typename W, typename B>
 void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int64_t n, float mean,
                float rstd, float w_offset) {
   const DF df;
   const T* x = static_cast<const T*>(x_ptr);
-  const VF vmean = hn::Set(df, mean);
-  const VF vrstd = hn::Set(df, rstd);
-  const VF voffset = hn::Set(df, w_offset);
-  WriteRow<T, kStream>(df, static_cast<T*>(y_ptr), n, [=](auto full, int64_t i, size_t count) {
+  T* y = static_cast<T*>(y_ptr);
+  const VF vmean = hn::Set(df, NarrowNaN(mean));
+  const VF vrstd = hn::Set(df, NarrowNaN(rstd));
+  const VF voffset = hn::Set(df, w_offset);  // finite (validated)
+  constexpr NaNPayloads kNaNs = kOutputNaNs<T, W, B>;
+  WriteRow<T, kStream, kNaNs>(df, y, n, [=](auto full, int64_t i, size_t count) {
     VF out = LoadElements(full, df, x + i, count);
     if constexpr (kCentered) out = hn::Sub(out, vmean);
     out = hn::Mul(out, vrstd);
@@ -250,7 +282,8 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
   }
   const VF voffset = hn::Set(df, rows.w_offset);
   const void* w = rows.w;
-  WriteRows<T, false, kGroup>(df, out, n, [=](auto full, int64_t i, size_t count) {
+  constexpr NaNPayloads kNaNs = kOutputNaNs<T, W>;  // rstd is computed from the rows here
+  WriteRows<T, false, kNaNs, kGroup>(df, out, n, [=](auto full, int64_t i, size_t count) {
     VF wv = hn::Zero(df);
     if constexpr (!std::is_void_v<W>) wv = hn::Add(LoadParam<W>(full, df, w, i, count), voffset);
     std::array<VF, kGroup> result;
@@ -324,7 +357,8 @@ void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* d
     vmean_g[k] = hn::Set(df, rows.mean_g[k]);
     vmean_g_xhat[k] = hn::Set(df, rows.mean_g_xhat[k]);
   }
-  WriteRows<T, kStream, kRows>(df, dx, n, [=](auto full, int64_t i, size_t count) {
+  constexpr NaNPayloads kNaNs = NaNPayloads::kAny;  // w is fp32, whatever the caller's was
+  WriteRows<T, kStream, kNaNs, kRows>(df, dx, n, [=](auto full, int64_t i, size_t count) {
     const VF wv = kWeight ? LoadElements(full, df, w + i, count) : hn::Zero(df);
     VF dw_sum = kDw ? LoadElements(full, df, dw_acc + i, count) : hn::Zero(df);
     VF db_sum = kDb ? LoadElements(full, df, db_acc + i, count) : hn::Zero(df);

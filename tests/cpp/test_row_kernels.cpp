@@ -497,6 +497,73 @@ TEST_P(RowKernelTest, InfAndNanSurviveLoadAndStore) {
   }
 }
 
+// A NaN whose low 16 payload bits are set stays NaN in every output. Rounding to bf16 adds
+// 0x7fff + lsb to the fp32 bits, which would carry such a NaN into -0.0; the kernels skip the
+// NaN test only where no such payload can arrive (NaNPayloads, element_io-inl.h). It can
+// arrive through an fp32 weight or bias, through a phased call's row sums (rstd, mean), and
+// through the backward's fp32 weight.
+TEST_P(RowKernelTest, WideNaNPayloadsStayNaN) {
+  float wide_nan;
+  const std::uint32_t wide_nan_bits = 0xffffffffu;  // negative, every payload bit set
+  std::memcpy(&wide_nan, &wide_nan_bits, sizeof wide_nan);
+  for (const TargetKernels& t : targets()) {
+    const DTypeKernels& k = t.kernels.by_dtype[static_cast<int>(dtype())];
+    for (const std::int64_t n : {std::int64_t{5}, std::int64_t{40}}) {
+      const std::int64_t at = n - 2;  // in the staged tail for n = 5, the vector body for 40
+      Buffer x = Buffer::vector_of(dtype(), n), ones = Buffer::vector_of(dtype(), n);
+      x.fill([](std::int64_t, std::int64_t) { return 1.5; });
+      ones.fill([](std::int64_t, std::int64_t) { return 1.0; });
+      Buffer wide = Buffer::floats(n);  // an fp32 weight / bias with one wide NaN
+      wide.fill([](std::int64_t, std::int64_t) { return 1.0; });
+      wide.float_data()[at] = wide_nan;
+      auto expect_nan_at = [&](const Buffer& y, std::int64_t only, const char* what) {
+        for (std::int64_t j = 0; j < n; ++j) {
+          if (j == only || only < 0) {
+            EXPECT_TRUE(std::isnan(y.at(j))) << what << ": element " << j << " is " << y.at(j);
+          } else {
+            EXPECT_FALSE(std::isnan(y.at(j))) << what << ": element " << j;
+          }
+        }
+      };
+      for (int stream = 0; stream < 2; ++stream) {
+        SCOPED_TRACE(::testing::Message() << t.name << ", n " << n << ", stream " << stream);
+        Buffer y = Buffer::vector_of(dtype(), n);
+        k.normalize[stream][0][cpu::kFloat32Param][cpu::kNoParam](x.data(), wide.data(), nullptr,
+                                                                  y.data(), n, 0.0f, 2.0f, -0.0f);
+        expect_nan_at(y, at, "RMSNorm, fp32 weight");
+        k.normalize[stream][1][cpu::kNoParam][cpu::kFloat32Param](x.data(), nullptr, wide.data(),
+                                                                  y.data(), n, 0.25f, 2.0f, 0.0f);
+        expect_nan_at(y, at, "LayerNorm, fp32 bias");
+        k.normalize[stream][0][cpu::kElementParam][cpu::kNoParam](
+            x.data(), ones.data(), nullptr, y.data(), n, 0.0f, wide_nan, -0.0f);
+        expect_nan_at(y, -1, "RMSNorm, rstd from the caller's sums");
+        k.normalize[stream][1][cpu::kElementParam][cpu::kElementParam](
+            x.data(), ones.data(), ones.data(), y.data(), n, wide_nan, 2.0f, 0.0f);
+        expect_nan_at(y, -1, "LayerNorm, mean from the caller's sums");
+        Buffer dx = Buffer::vector_of(dtype(), n), dw = Buffer::floats(n);
+        dw.fill([](std::int64_t, std::int64_t) { return 0.0; });
+        k.backward_apply[stream][0][1][1][0][0](x.data(), x.data(), wide.float_data(), nullptr,
+                                                dx.data(), dw.float_data(), nullptr, n, 0.0f, 2.0f,
+                                                0.0f, 0.5f);
+        expect_nan_at(dx, at, "backward, fp32 weight");
+      }
+      for (const std::int64_t rows : {std::int64_t{1}, std::int64_t{4}}) {
+        SCOPED_TRACE(::testing::Message() << t.name << ", n " << n << ", rows " << rows);
+        Buffer xs(dtype(), rows, n), ys(dtype(), rows, n);
+        xs.fill([](std::int64_t, std::int64_t) { return 1.5; });
+        cpu::RmsRows block{xs.data(),   n,     nullptr, n,       ys.data(), n,
+                           wide.data(), -0.0f, 1e-6f,   nullptr, rows,      n};
+        k.rms_rows[0][cpu::kFloat32Param](block);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          for (std::int64_t j = 0; j < n; ++j) {
+            EXPECT_EQ(std::isnan(ys.at(r, j)), j == at) << "short rows: row " << r << ", " << j;
+          }
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllDTypes, RowKernelTest, ::testing::ValuesIn(kAllDTypes),
                          dtype_param_name);
 
