@@ -88,7 +88,7 @@ void fused_add_rms_norm_quant_out(const Context& ctx, const at::Tensor& x, at::T
                                   const OptTensor& scale, const OptTensor& scale_ub,
                                   at::Tensor& out, const OptTensor& row_scales);
 
-// LayerNorm's phases over a row split by columns, as RMSNorm's above (CPU only in the core).
+// LayerNorm's phases over a row split by columns, as RMSNorm's above.
 at::Tensor layer_norm_partial_sums(const Context& ctx, const at::Tensor& x);
 at::Tensor layer_norm_partial_squared_deviations(const Context& ctx, const at::Tensor& x,
                                                  const at::Tensor& row_sum, std::int64_t full_cols);

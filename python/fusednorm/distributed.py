@@ -14,16 +14,21 @@ Per mesh dimension, x's placement decides the computation:
   when they are used (e.g. added into a Replicate parameter).
 * ``Replicate()``: local; dw / db are the same on every rank (``Replicate()``).
 * ``Partial()``: x is first reduced to ``Replicate()`` (a norm needs the sum itself).
-* ``Shard(-1)`` (tensor parallel over the hidden dimension, at most one mesh dimension):
-  the distributed norm. Each rank computes its slice's per-row fp32 sum of squares, one
-  all-reduce of one fp32 per row over that mesh dimension gives the row's total, and each
+* ``Shard(-1)`` (tensor parallel over the hidden dimension): the distributed norm. Each
+  rank computes its slice's per-row fp32 sum of squares, one all-reduce of one fp32 per row
+  over the mesh dimension that shards the hidden dimension gives the row's total, and each
   rank normalizes its own slice (``rms_norm_partial_sum_squares`` then
   ``rms_norm_from_sum_squares``). The backward all-reduces one fp32 per row, sum(g * x_hat)
   (``rms_norm_backward_partial_sums`` then ``rms_norm_backward_from_sums``), and dw stays
   ``Shard(0)`` like the weight. Activations are never gathered. LayerNorm likewise, with two
   all-reduces of one fp32 per row in the forward (the sums of x, then the squared deviations
   from the row's mean) and one of two fp32 per row in the backward (sum(g), sum(g * x_hat));
-  dw and db stay ``Shard(0)``. (CPU only: the CUDA backend has no LayerNorm phases yet.)
+  dw and db stay ``Shard(0)``. Where several mesh dimensions shard the hidden dimension
+  (e.g. ``(Shard(-1), Shard(-1))``), each all-reduce runs over each of them in turn.
+
+On a mesh of several dimensions each mesh dimension is handled by its own placement above:
+e.g. ``(Shard(0), Shard(-1))`` (rows over "dp", hidden over "tp") all-reduces the per-row
+sums over "tp" only, and dw is ``(Partial(), Shard(0))``.
 
 The gradient reaching an output is redistributed to x's placements before the backward
 (DTensor's own rules: a Partial gradient is reduce-scattered, a Replicate one sliced).
@@ -51,13 +56,14 @@ def is_dtensor(*tensors) -> bool:
 @dataclass(frozen=True)
 class _Layout:
     """Where each piece lives for one call: x's placements (Partial resolved), the weight's,
-    the weight gradient's, and the mesh dimension sharding the hidden dimension, if any."""
+    the weight gradient's, and the mesh dimensions sharding the hidden dimension (empty
+    when rows are whole on every rank)."""
 
     mesh: DeviceMesh
     x: tuple[Placement, ...]
     weight: tuple[Placement, ...]
     grad_weight: tuple[Placement, ...]
-    hidden_mesh_dim: int | None
+    hidden_mesh_dims: tuple[int, ...]
     full_cols: int
 
 
@@ -66,17 +72,12 @@ def _layout(op: str, x: DTensor) -> _Layout:
     if x.ndim == 0:
         raise RuntimeError(f"fusednorm::{op}: argument 'x': must have at least one dimension")
     xp, wp, dwp = [], [], []
-    hidden = None
+    hidden = []
     for mesh_dim, p in enumerate(x.placements):
         if p.is_shard():
             d = p.dim if p.dim >= 0 else p.dim + x.ndim
             if d == last:
-                if hidden is not None:
-                    raise RuntimeError(
-                        f"fusednorm::{op}: argument 'x': its last dimension is sharded on "
-                        f"mesh dimensions {hidden} and {mesh_dim}; at most one is supported"
-                    )
-                hidden = mesh_dim
+                hidden.append(mesh_dim)
                 xp.append(p)
                 wp.append(Shard(0))
                 dwp.append(Shard(0))
@@ -94,7 +95,7 @@ def _layout(op: str, x: DTensor) -> _Layout:
             dwp.append(Replicate())
         else:
             raise RuntimeError(f"fusednorm::{op}: argument 'x': placement {p} is not supported")
-    return _Layout(x.device_mesh, tuple(xp), tuple(wp), tuple(dwp), hidden, x.shape[-1])
+    return _Layout(x.device_mesh, tuple(xp), tuple(wp), tuple(dwp), tuple(hidden), x.shape[-1])
 
 
 def _as_layout(op: str, name: str, t, layout: _Layout, placements) -> DTensor | None:
@@ -173,10 +174,12 @@ def _grad_local(grad, layout: _Layout) -> torch.Tensor | None:
 
 
 def _row_sum_all_reduce(partial: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """Sum of the per-row fp32 partials over the mesh dimension that shards the hidden
-    dimension: the only communication of the distributed norm."""
-    total = funcol.all_reduce(partial, "sum", (layout.mesh, layout.hidden_mesh_dim))
-    return funcol.wait_tensor(total)
+    """Sum of the per-row fp32 partials over the mesh dimensions that shard the hidden
+    dimension (each one's group in turn; other mesh dimensions hold other rows or the same
+    slice): the only communication of the distributed norm."""
+    for mesh_dim in layout.hidden_mesh_dims:
+        partial = funcol.wait_tensor(funcol.all_reduce(partial, "sum", (layout.mesh, mesh_dim)))
+    return partial
 
 
 def _as_dtype(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -190,7 +193,7 @@ def _rms_forward(x, residual, weight, eps, weight_offset, layout):
     """Local forward of (fused add +) RMSNorm; returns (y, s, rstd) with s the normalized
     input (residual_out for the fused add, x otherwise)."""
     ops = torch.ops.fusednorm
-    if layout.hidden_mesh_dim is None:
+    if not layout.hidden_mesh_dims:
         if residual is None:
             y, rstd = ops.rms_norm_fwd(x, weight, eps, weight_offset)
             return y, x, rstd
@@ -207,7 +210,7 @@ def _rms_forward(x, residual, weight, eps, weight_offset, layout):
 def _rms_backward(dy, s, weight, rstd, eps, weight_offset, want_dw, addend, layout):
     ops = torch.ops.fusednorm
     compute_dw = weight is not None and want_dw
-    if layout.hidden_mesh_dim is None:
+    if not layout.hidden_mesh_dims:
         return ops.rms_norm_backward(dy, s, weight, rstd, eps, weight_offset, compute_dw, addend)
     partial = ops.rms_norm_backward_partial_sums(dy, s, weight, rstd, weight_offset)
     total = _row_sum_all_reduce(partial, layout)
@@ -299,7 +302,7 @@ def _layer_forward(x, weight, bias, eps, layout):
     variance is taken about the whole row's mean, not merged from slice moments, so it has the
     one-call numerics)."""
     ops = torch.ops.fusednorm
-    if layout.hidden_mesh_dim is None:
+    if not layout.hidden_mesh_dims:
         return ops.layer_norm_fwd(x, weight, bias, eps)
     total = _row_sum_all_reduce(ops.layer_norm_partial_sums(x), layout)
     partial = ops.layer_norm_partial_squared_deviations(x, total, layout.full_cols)
@@ -310,7 +313,7 @@ def _layer_forward(x, weight, bias, eps, layout):
 def _layer_backward(dy, x, weight, mean, rstd, eps, compute_dw, compute_db, layout):
     """Hidden-sharded: one all-reduce of two fp32 per row, sum(g) and sum(g * x_hat)."""
     ops = torch.ops.fusednorm
-    if layout.hidden_mesh_dim is None:
+    if not layout.hidden_mesh_dims:
         return ops.layer_norm_backward(dy, x, weight, mean, rstd, eps, compute_dw, compute_db)
     sum_g, sum_g_xhat = ops.layer_norm_backward_partial_sums(dy, x, weight, mean, rstd)
     sums = _row_sum_all_reduce(torch.stack((sum_g, sum_g_xhat)), layout)
@@ -352,8 +355,7 @@ class _LayerNorm(torch.autograd.Function):
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5):
-    """``fusednorm.layer_norm`` for a DTensor x (see the module docstring). Hidden-sharded
-    (``Shard(-1)``) rows run on the CPU only: the CUDA backend has no LayerNorm phases yet."""
+    """``fusednorm.layer_norm`` for a DTensor x (see the module docstring)."""
     layout, x = _prepare("layer_norm", x)
     w = _as_layout("layer_norm", "weight", weight, layout, layout.weight)
     b = _as_layout("layer_norm", "bias", bias, layout, layout.weight)

@@ -99,13 +99,6 @@ PlanOptions plan_options() {
 
 OutDType out_dtype(DType dtype) { return static_cast<OutDType>(static_cast<int>(dtype)); }
 
-// The phased LayerNorm runs on the CPU only so far.
-void check_phase_supported(const char* op, NormKind kind, detail::Phase phase) {
-  if (kind == NormKind::kLayer && phase != detail::Phase::kWhole) {
-    detail::fail(op, "ctx.device", "the phased LayerNorm is not implemented on CUDA yet");
-  }
-}
-
 }  // namespace
 
 std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
@@ -113,7 +106,6 @@ std::size_t backward_workspace_bytes(std::int64_t rows, std::int64_t cols) {
 }
 
 void forward(const char* op, const ForwardProblem& p, void* stream) {
-  check_phase_supported(op, p.kind, p.phase);
   if (p.rows() == 0) return;
   ForwardArgs a = {};
   a.centered = p.kind == NormKind::kLayer;
@@ -133,8 +125,14 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
   a.cols = p.cols();
   a.eps = p.eps;
   a.weight_offset = p.kind == NormKind::kRms ? p.weight_offset : 0.0f;
-  a.partial_sum_squares = p.phase == detail::Phase::kPartialSums ? p.partial_sums : nullptr;
-  a.row_sum_squares = p.phase == detail::Phase::kFromSums ? p.row_sum_squares : nullptr;
+  // Phase 1 writes partial_sums; LayerNorm's deviations phase takes row_sum (the mean).
+  const bool phase1 =
+      p.phase == detail::Phase::kPartialSums || p.phase == detail::Phase::kPartialDeviations;
+  const bool phase2 = p.phase == detail::Phase::kFromSums;
+  a.partial_sums = phase1 ? p.partial_sums : nullptr;
+  a.row_sum_squares = phase2 ? p.row_sum_squares : nullptr;
+  a.row_sum = p.phase == detail::Phase::kPartialDeviations || phase2 ? p.row_sum : nullptr;
+  a.row_sum_squared_deviations = phase2 ? p.row_sum_squared_deviations : nullptr;
   a.full_cols = p.full_cols;
   if (p.is_quantized()) {
     // Scale pointers are device pointers, read by the kernels (never here: a CUDA graph
@@ -172,7 +170,6 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
 }
 
 void backward(const char* op, const BackwardProblem& p, void* stream) {
-  check_phase_supported(op, p.kind, p.phase);
   const auto s = static_cast<cudaStream_t>(stream);
   const bool want_dw = p.dw.data != nullptr;
   const bool want_db = p.db.data != nullptr;
@@ -200,7 +197,9 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
   a.dx_addend = p.dx_addend.data;
   a.dx_addend_stride = p.dx_addend.row_stride;
   a.partial_sum_g_xhat = sums_only ? p.partial_sum_g_xhat : nullptr;
+  a.partial_sum_g = sums_only ? p.partial_sum_g : nullptr;
   a.row_sum_g_xhat = p.phase == detail::Phase::kFromSums ? p.row_sum_g_xhat : nullptr;
+  a.row_sum_g = p.phase == detail::Phase::kFromSums ? p.row_sum_g : nullptr;
   a.full_cols = p.full_cols;
   a.rows = p.rows();
   a.cols = p.cols();

@@ -35,11 +35,15 @@ struct ForwardArgs {
   std::int64_t cols;
   float eps;
   float weight_offset;
-  // Two-phase calls (RMSNorm, two-pass row kernel only). Phase 1: each row's sum of squares
-  // (of the updated residual for the fused add) goes to partial_sum_squares and no y is
-  // written. Phase 2: the row's sum of squares is row_sum_squares[row], over full_cols.
-  float* partial_sum_squares;
+  // Two-phase calls (two-pass row kernel only; fusednorm.h's phased operators). Phase 1
+  // writes one fp32 per row to partial_sums and no y: RMSNorm's sum of squares (of the
+  // updated residual for the fused add); LayerNorm's sum of x, or with row_sum given its sum
+  // of squared deviations from the whole row's mean. Phase 2 takes the whole row's sums over
+  // full_cols: RMSNorm's row_sum_squares; LayerNorm's row_sum and row_sum_squared_deviations.
+  float* partial_sums;
   const float* row_sum_squares;
+  const float* row_sum;
+  const float* row_sum_squared_deviations;
   std::int64_t full_cols;
   QuantArgs quant;  // used by the quantized kernels (ForwardVariant::kQuant) only
 };
@@ -65,11 +69,14 @@ struct BackwardArgs {
   std::int64_t cols;
   float eps;
   float weight_offset;
-  // Two-phase calls (RMSNorm, two-pass kernels only). Phase 1: each row's sum of g * x_hat
-  // goes to partial_sum_g_xhat, nothing else is written. Phase 2: that sum over the whole
-  // row is row_sum_g_xhat[row], over full_cols.
+  // Two-phase calls (two-pass kernels only). Phase 1: each row's sum of g * x_hat goes to
+  // partial_sum_g_xhat (LayerNorm: and its sum of g to partial_sum_g), nothing else is
+  // written. Phase 2: those sums over the whole row are row_sum_g_xhat[row] (and
+  // row_sum_g[row]), over full_cols.
   float* partial_sum_g_xhat;
+  float* partial_sum_g;
   const float* row_sum_g_xhat;
+  const float* row_sum_g;
   std::int64_t full_cols;
 };
 

@@ -506,12 +506,12 @@ __global__ void __launch_bounds__(kCoefThreads, 1) norm_backward_coef_kernel(con
       rstd = 1.0f / sqrtf(variance + a.eps);
     }
 
-    // Two-phase calls (RMSNorm; uniform across the CTA, so the barriers stay uniform):
-    // phase 2 takes the whole row's sum of g * x_hat, phase 1 stops after storing its own.
+    // Two-phase calls (uniform across the CTA, so the barriers stay uniform): phase 2 takes
+    // the whole row's sums of g * x_hat (and g), phase 1 stops after storing its own.
     float2 totals;
     float count = cols;
     if (a.row_sum_g_xhat != nullptr) {
-      totals = make_float2(a.row_sum_g_xhat[row], 0.0f);
+      totals = make_float2(a.row_sum_g_xhat[row], V::kCentered ? a.row_sum_g[row] : 0.0f);
       count = static_cast<float>(a.full_cols);
     } else {
       float dots[kGradDots<V>] = {};
@@ -527,10 +527,13 @@ __global__ void __launch_bounds__(kCoefThreads, 1) norm_backward_coef_kernel(con
       totals = block_sum(make_float2(dots[0], dots[kGradDots<V> - 1]));
     }
     if (a.partial_sum_g_xhat != nullptr) {
-      if (threadIdx.x == 0) a.partial_sum_g_xhat[row] = totals.x;
+      if (threadIdx.x == 0) {
+        a.partial_sum_g_xhat[row] = totals.x;
+        if (V::kCentered) a.partial_sum_g[row] = totals.y;
+      }
       continue;
     }
-    const RowGrad r{mean, rstd, V::kCentered ? totals.y / cols : 0.0f, totals.x / count};
+    const RowGrad r{mean, rstd, V::kCentered ? totals.y / count : 0.0f, totals.x / count};
 
     if constexpr (kWriteDx) {
       T* dx = row_ptr<T>(a.dx, row, a.dx_stride);

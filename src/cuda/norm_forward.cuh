@@ -202,10 +202,15 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
   const std::int64_t begin = slice.begin, end = slice.end;
   const std::int64_t step = std::int64_t{kBatch} * team;
   const float cols = static_cast<float>(a.cols);
-  // Two-phase calls (RMSNorm, the unstaged kind only; uniform across the CTA): phase 2 has
-  // the whole row's sum of squares and skips the first pass, phase 1 stops after it.
-  const bool given_sum = kStorage == RowStorage::kGlobal && a.row_sum_squares != nullptr;
-  const bool sum_only = kStorage == RowStorage::kGlobal && a.partial_sum_squares != nullptr;
+  // Two-phase calls (the unstaged kind only; uniform across the CTA; kernel_args.h). Given
+  // the whole row's first statistic (RMSNorm's phase 2; LayerNorm's deviations phase and
+  // phase 2) the first pass is skipped; LayerNorm's phase 2 skips the second too. Phase 1
+  // stores the row's partial sum of the pass it ran last and writes nothing else.
+  constexpr bool kPhased = kStorage == RowStorage::kGlobal;
+  const bool given_sum = kPhased && (V::kCentered ? a.row_sum : a.row_sum_squares) != nullptr;
+  const bool given_deviations = kPhased && V::kCentered && a.row_sum_squared_deviations != nullptr;
+  float* const partial_sums = kPhased ? a.partial_sums : nullptr;
+  const float full_cols = static_cast<float>(a.full_cols);
   [[maybe_unused]] const bool dynamic = V::kQuant && a.quant.static_scale == nullptr;
   [[maybe_unused]] const float static_scale = V::kQuant && !dynamic ? *a.quant.static_scale : 1.0f;
 
@@ -241,8 +246,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       }
     }
     if (!given_sum) row_total<kStorage>(stat, scratch, cluster_slot);
-    if (sum_only) {
-      if (threadIdx.x == 0) a.partial_sum_squares[row] = stat[0];
+    if (partial_sums != nullptr && !given_sum) {
+      if (threadIdx.x == 0) partial_sums[row] = stat[0];
       continue;
     }
 
@@ -258,20 +263,28 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
 
     float mean = 0.0f, variance;
     if constexpr (V::kCentered) {
-      mean = stat[0] / cols;
-      float dev[1] = {0.0f};
-      for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
-        const Pack<T, kVec> v = staged(j);
+      mean = given_sum ? a.row_sum[row] / full_cols : stat[0] / cols;
+      if (given_deviations) {
+        variance = a.row_sum_squared_deviations[row] / full_cols;
+      } else {
+        float dev[1] = {0.0f};
+        for (std::int64_t j = begin + threadIdx.x; j < end; j += team) {
+          const Pack<T, kVec> v = staged(j);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float d = v.get(i) - mean;
-          dev[0] += d * d;
+          for (int i = 0; i < kVec; ++i) {
+            const float d = v.get(i) - mean;
+            dev[0] += d * d;
+          }
         }
+        row_total<kStorage>(dev, scratch, cluster_slot);
+        if (partial_sums != nullptr) {
+          if (threadIdx.x == 0) partial_sums[row] = dev[0];
+          continue;
+        }
+        variance = dev[0] / cols;
       }
-      row_total<kStorage>(dev, scratch, cluster_slot);
-      variance = dev[0] / cols;
     } else if (given_sum) {
-      variance = a.row_sum_squares[row] / static_cast<float>(a.full_cols);
+      variance = a.row_sum_squares[row] / full_cols;
     } else {
       variance = stat[0] / cols;
     }

@@ -608,6 +608,360 @@ TEST(CudaTwoPhase, SlicesMatchReference) {
   }
 }
 
+// ---- The two-phase LayerNorm ---------------------------------------------------------------
+
+// One backend's buffers for the LayerNorm phases: host pointers for the CPU backend, device
+// pointers for CUDA (per-row sums cross between phases through the host, as an all-reduce).
+struct LayerPhaseBuffers {
+  Context ctx;
+  const void *x, *dy, *w, *b;                // w, b nullable
+  void *y, *dx, *dw, *db;                    // dw, db nullable
+  float *mean, *rstd, *partial, *partial_g;  // per-row fp32
+  Workspace workspace;
+};
+
+// Runs the LayerNorm phases over the column slices `cuts` of rows x cols matrices with row
+// stride `stride`; every phase-1 sum is added in slice order on the host.
+void run_layer_phases(const LayerPhaseBuffers& b, DType dtype, DType pdt, std::int64_t rows,
+                      std::int64_t cols, std::int64_t stride,
+                      const std::vector<std::int64_t>& cuts) {
+  const bool device = b.ctx.device == Device::kCuda;
+  const std::size_t esize = dtype_size(dtype), psize = dtype_size(pdt);
+  const auto row_bytes = static_cast<std::size_t>(rows) * sizeof(float);
+  auto to_host = [&](std::vector<float>& dst, const float* src) {
+    if (device) {
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dst.data(), src, row_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    } else {
+      std::memcpy(dst.data(), src, row_bytes);
+    }
+  };
+  // The all-reduced sums, where the next phase reads them (device memory for CUDA).
+  std::vector<float*> totals;
+  auto on_backend = [&](const std::vector<float>& host) -> const float* {
+    float* p = nullptr;
+    if (device) {
+      void* raw = nullptr;
+      EXPECT_EQ(cudaMalloc(&raw, std::max<std::size_t>(row_bytes, 4)), cudaSuccess);
+      p = static_cast<float*>(raw);
+      EXPECT_EQ(cudaMemcpy(p, host.data(), row_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    } else {
+      p = new float[std::max<std::size_t>(host.size(), 1)];
+      std::memcpy(p, host.data(), row_bytes);
+    }
+    totals.push_back(p);
+    return p;
+  };
+  auto cm = [&](const void* base, std::size_t k) {
+    return const_matrix(static_cast<const char*>(base) + cuts[k] * esize, dtype, rows,
+                        cuts[k + 1] - cuts[k], stride);
+  };
+  auto mm = [&](void* base, std::size_t k) {
+    return matrix(static_cast<char*>(base) + cuts[k] * esize, dtype, rows, cuts[k + 1] - cuts[k],
+                  stride);
+  };
+  auto cv = [&](const void* base, std::size_t k) {
+    return base ? ConstVector{static_cast<const char*>(base) + cuts[k] * psize, pdt,
+                              cuts[k + 1] - cuts[k]}
+                : ConstVector{};
+  };
+  auto mv = [&](void* base, std::size_t k) {
+    return base ? Vector{static_cast<char*>(base) + cuts[k] * psize, pdt, cuts[k + 1] - cuts[k]}
+                : Vector{};
+  };
+  const std::size_t slices = cuts.size() - 1;
+  auto all_reduce = [&](const std::function<void(std::size_t)>& phase1, const float* out,
+                        std::vector<float>& sum, const float* out2 = nullptr,
+                        std::vector<float>* sum2 = nullptr) {
+    sum.assign(static_cast<std::size_t>(rows), 0.0f);
+    if (sum2 != nullptr) sum2->assign(static_cast<std::size_t>(rows), 0.0f);
+    std::vector<float> part(static_cast<std::size_t>(rows));
+    for (std::size_t k = 0; k < slices; ++k) {
+      phase1(k);
+      to_host(part, out);
+      for (std::int64_t r = 0; r < rows; ++r) sum[r] += part[r];
+      if (sum2 == nullptr) continue;
+      to_host(part, out2);
+      for (std::int64_t r = 0; r < rows; ++r) (*sum2)[r] += part[r];
+    }
+  };
+  const std::int64_t full = cols;
+  std::vector<float> sum, dev, g, g_xhat;
+  all_reduce([&](std::size_t k) { layer_norm_partial_sums(b.ctx, cm(b.x, k), b.partial); },
+             b.partial, sum);
+  const float* sum_b = on_backend(sum);
+  all_reduce(
+      [&](std::size_t k) {
+        layer_norm_partial_squared_deviations(b.ctx, cm(b.x, k), sum_b, full, b.partial);
+      },
+      b.partial, dev);
+  const float* dev_b = on_backend(dev);
+  for (std::size_t k = 0; k < slices; ++k) {
+    layer_norm_from_sums(b.ctx, cm(b.x, k), cv(b.w, k), cv(b.b, k), mm(b.y, k), sum_b, dev_b, full,
+                         b.mean, b.rstd);
+  }
+  all_reduce(
+      [&](std::size_t k) {
+        layer_norm_backward_partial_sums(b.ctx, cm(b.dy, k), cm(b.x, k), cv(b.w, k), b.mean, b.rstd,
+                                         b.partial_g, b.partial);
+      },
+      b.partial_g, g, b.partial, &g_xhat);
+  const float* g_b = on_backend(g);
+  const float* g_xhat_b = on_backend(g_xhat);
+  for (std::size_t k = 0; k < slices; ++k) {
+    layer_norm_backward_from_sums(b.ctx, cm(b.dy, k), cm(b.x, k), cv(b.w, k), b.mean, b.rstd, g_b,
+                                  g_xhat_b, full, mm(b.dx, k), mv(b.dw, k), mv(b.db, k), {},
+                                  b.workspace);
+  }
+  if (device) {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  for (float* p : totals) {
+    if (device) {
+      cudaFree(p);
+    } else {
+      delete[] p;
+    }
+  }
+}
+
+// The LayerNorm phases on the GPU against the same phases on the CPU backend (same slices,
+// same sums order) and against the fp64 reference of the whole row, with the tolerances of
+// the one-call LayerNorm tests above.
+void check_layer_two_phase(const Case& c, bool bias, const std::vector<std::int64_t>& cuts) {
+  std::mt19937 rng = rng_for(c);
+  const std::int64_t stride = c.cols + c.pad, n = c.rows * stride;
+  const DType pdt = c.weight_f32 ? DType::kFloat32 : c.dtype;
+  Buffer x(c.dtype, n, c.misalign), dy(c.dtype, n, c.misalign), y(c.dtype, n, c.misalign),
+      dx(c.dtype, n, c.misalign);
+  Buffer w(pdt, c.cols, c.misalign), b(pdt, c.cols, c.misalign), dw(pdt, c.cols), db(pdt, c.cols);
+  const std::int64_t rows1 = std::max<std::int64_t>(c.rows, 1);
+  Buffer mean(DType::kFloat32, rows1), rstd(DType::kFloat32, rows1),
+      partial(DType::kFloat32, rows1), partial_g(DType::kFloat32, rows1);
+  x.fill_random(rng, -1.0f, 3.0f);  // non-zero mean
+  dy.fill_random(rng);
+  w.fill_random(rng, 0.5f, 1.5f);
+  b.fill_random(rng);
+  for (Buffer* buf : {&y, &dx, &dw, &db})
+    buf->fill(NAN);  // poisoned: every element must be written
+  for (Buffer* buf : {&x, &dy, &y, &dx, &w, &b, &dw, &db}) buf->upload();
+  // The CPU backend's run starts from the same (poisoned) host bytes.
+  std::vector<unsigned char> y_cpu(static_cast<std::size_t>(n) * dtype_size(c.dtype));
+  std::memcpy(y_cpu.data(), y.host(), y_cpu.size());
+  std::vector<unsigned char> dx_cpu(y_cpu),
+      dw_cpu(static_cast<std::size_t>(c.cols) * dtype_size(pdt)), db_cpu(dw_cpu);
+  std::vector<float> mean_cpu(rows1), rstd_cpu(rows1), partial_cpu(rows1), partial_g_cpu(rows1);
+
+  const std::size_t ws_bytes = backward_workspace_bytes(kGpu, c.rows, c.cols);
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, ws_bytes), cudaSuccess);
+  const LayerPhaseBuffers gpu{kGpu,
+                              x.device(),
+                              dy.device(),
+                              c.weight ? w.device() : nullptr,
+                              bias ? b.device() : nullptr,
+                              y.device(),
+                              dx.device(),
+                              c.weight ? dw.device() : nullptr,
+                              c.weight ? db.device() : nullptr,
+                              static_cast<float*>(mean.device()),
+                              static_cast<float*>(rstd.device()),
+                              static_cast<float*>(partial.device()),
+                              static_cast<float*>(partial_g.device()),
+                              {ws, ws_bytes}};
+  run_layer_phases(gpu, c.dtype, pdt, c.rows, c.cols, stride, cuts);
+  cudaFree(ws);
+  const LayerPhaseBuffers cpu{Context{},
+                              x.host(),
+                              dy.host(),
+                              c.weight ? w.host() : nullptr,
+                              bias ? b.host() : nullptr,
+                              y_cpu.data(),
+                              dx_cpu.data(),
+                              c.weight ? dw_cpu.data() : nullptr,
+                              c.weight ? db_cpu.data() : nullptr,
+                              mean_cpu.data(),
+                              rstd_cpu.data(),
+                              partial_cpu.data(),
+                              partial_g_cpu.data(),
+                              {}};
+  run_layer_phases(cpu, c.dtype, pdt, c.rows, c.cols, stride, cuts);
+  for (Buffer* buf : {&y, &dx, &dw, &db, &mean, &rstd}) buf->download();
+
+  auto at = [&](std::int64_t i) { return i / c.cols * stride + i % c.cols; };
+  auto cpu_values = [&](const std::vector<unsigned char>& bytes, DType dt, std::int64_t count,
+                        bool strided) {
+    std::vector<double> v(static_cast<std::size_t>(count));
+    for (std::int64_t i = 0; i < count; ++i)
+      v[i] = detail::load_as_float(bytes.data(), dt, strided ? at(i) : i);
+    return v;
+  };
+  const ConstMatrix xh = const_matrix(x.host(), c.dtype, c.rows, c.cols, stride);
+  const ConstVector wh = c.weight ? ConstVector{w.host(), pdt, c.cols} : ConstVector{};
+  const ConstVector bh = bias ? ConstVector{b.host(), pdt, c.cols} : ConstVector{};
+  const auto ref = reference::layer_norm(xh, wh, bh);
+  const auto grad = reference::layer_norm_backward(
+      const_matrix(dy.host(), c.dtype, c.rows, c.cols, stride), xh, wh, c.weight);
+  std::vector<double> dx_scale(grad.dx.size());
+  for (std::size_t i = 0; i < dx_scale.size(); ++i)
+    dx_scale[i] = grad.dx_scale[i / static_cast<std::size_t>(c.cols)];
+  const double ptol = std::max(tolerance(pdt), 1e-4);
+  const std::int64_t elems = c.rows * c.cols;
+  const std::vector<double> mean_c(mean_cpu.begin(), mean_cpu.begin() + c.rows),
+      rstd_c(rstd_cpu.begin(), rstd_cpu.begin() + c.rows);
+  for (const bool against_cpu : {false, true}) {
+    SCOPED_TRACE(against_cpu ? "against the CPU backend's phases" : "against the reference");
+    expect_close(
+        against_cpu ? cpu_values(y_cpu, c.dtype, elems, true) : ref.y,
+        [&](std::int64_t i) { return y.get(at(i)); }, tolerance(c.dtype), "y");
+    expect_close(
+        against_cpu ? mean_c : ref.mean, [&](std::int64_t i) { return mean.get(i); }, 2e-5, "mean");
+    expect_close(
+        against_cpu ? rstd_c : ref.rstd, [&](std::int64_t i) { return rstd.get(i); }, 2e-4, "rstd");
+    expect_close(
+        against_cpu ? cpu_values(dx_cpu, c.dtype, elems, true) : grad.dx,
+        [&](std::int64_t i) { return dx.get(at(i)); }, tolerance(c.dtype) * 2, "dx", &dx_scale);
+    if (c.weight) {
+      expect_close(
+          against_cpu ? cpu_values(dw_cpu, pdt, c.cols, false) : grad.dw,
+          [&](std::int64_t i) { return dw.get(i); }, ptol, "dw");
+      expect_close(
+          against_cpu ? cpu_values(db_cpu, pdt, c.cols, false) : grad.db,
+          [&](std::int64_t i) { return db.get(i); }, ptol, "db");
+    }
+  }
+}
+
+TEST(CudaTwoPhase, LayerNormSlicesMatchTheCpuBackendAndReference) {
+  REQUIRE_GPU();
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (const Case& c :
+         {Case{dt, 37, 1024}, Case{dt, 5, 4096, 8, 0, true, true}, Case{dt, 7, 999, 3, 1, false},
+          Case{dt, 4, 7, 2}, Case{dt, 3, 1}, Case{dt, 3, 16384}}) {
+      for (const bool bias : {false, true}) {
+        SCOPED_TRACE(c.name() + (bias ? " bias" : " no bias"));
+        check_layer_two_phase(c, bias, {0, c.cols});  // one slice
+        if (c.cols < 3) continue;
+        check_layer_two_phase(c, bias, {0, c.cols / 2, c.cols});  // two even slices
+        check_layer_two_phase(c, bias,
+                              {0, c.cols / 3 + 1, 2 * (c.cols / 3), c.cols});  // three uneven ones
+      }
+    }
+  }
+}
+
+// With one slice the phases run the one-call LayerNorm's two-pass kernels (staging off, rows
+// too long for registers), whose sums they reproduce: the same bits.
+TEST(CudaTwoPhase, LayerNormOneSliceGivesTheTwoPassBits) {
+  REQUIRE_GPU();
+  setenv("FUSEDNORM_CUDA_STAGED_ROWS", "0", 1);
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    const Case c{dt, 3, 40960, 8};
+    SCOPED_TRACE(c.name());
+    const std::int64_t stride = c.cols + c.pad, n = c.rows * stride;
+    std::mt19937 rng = rng_for(c);
+    Buffer x(dt, n), dy(dt, n), y1(dt, n), y2(dt, n), dx1(dt, n), dx2(dt, n), w(dt, c.cols),
+        b(dt, c.cols);
+    Buffer dw1(dt, c.cols), dw2(dt, c.cols), db1(dt, c.cols), db2(dt, c.cols),
+        partial(DType::kFloat32, c.rows), partial_g(DType::kFloat32, c.rows);
+    Buffer mean1(DType::kFloat32, c.rows), rstd1(DType::kFloat32, c.rows),
+        mean2(DType::kFloat32, c.rows), rstd2(DType::kFloat32, c.rows);
+    x.fill_random(rng, -1.0f, 3.0f);
+    dy.fill_random(rng);
+    w.fill_random(rng, 0.5f, 1.5f);
+    b.fill_random(rng);
+    for (Buffer* buf : {&x, &dy, &w, &b}) buf->upload();
+    const std::size_t ws_bytes = backward_workspace_bytes(kGpu, c.rows, c.cols);
+    void* ws = nullptr;
+    ASSERT_EQ(cudaMalloc(&ws, ws_bytes), cudaSuccess);
+    const ConstMatrix xd = const_matrix(x.device(), dt, c.rows, c.cols, stride);
+    const ConstVector wd{w.device(), dt, c.cols}, bd{b.device(), dt, c.cols};
+    auto f32 = [](Buffer& buf) { return static_cast<float*>(buf.device()); };
+    layer_norm(kGpu, xd, wd, bd, matrix(y1.device(), dt, c.rows, c.cols, stride), f32(mean1),
+               f32(rstd1));
+    layer_norm_backward(kGpu, const_matrix(dy.device(), dt, c.rows, c.cols, stride), xd, wd,
+                        f32(mean1), f32(rstd1), matrix(dx1.device(), dt, c.rows, c.cols, stride),
+                        {dw1.device(), dt, c.cols}, {db1.device(), dt, c.cols}, {}, {ws, ws_bytes});
+    const LayerPhaseBuffers gpu{kGpu,           x.device(),    dy.device(),  w.device(),
+                                b.device(),     y2.device(),   dx2.device(), dw2.device(),
+                                db2.device(),   f32(mean2),    f32(rstd2),   f32(partial),
+                                f32(partial_g), {ws, ws_bytes}};
+    run_layer_phases(gpu, dt, dt, c.rows, c.cols, stride, {0, c.cols});
+    cudaFree(ws);
+    auto same_bits = [&](Buffer& one, Buffer& two, std::int64_t count, const char* what) {
+      one.download();
+      two.download();
+      EXPECT_EQ(std::memcmp(one.host(), two.host(),
+                            static_cast<std::size_t>(count) * dtype_size(one.dtype())),
+                0)
+          << what;
+    };
+    // Row padding is never written by either: compare whole rows' worth of bytes row by row.
+    for (Buffer* buf : {&y1, &y2, &dx1, &dx2}) buf->download();
+    for (std::int64_t r = 0; r < c.rows; ++r) {
+      const std::size_t off = static_cast<std::size_t>(r * stride) * dtype_size(dt);
+      const std::size_t len = static_cast<std::size_t>(c.cols) * dtype_size(dt);
+      EXPECT_EQ(std::memcmp(static_cast<char*>(y1.host()) + off,
+                            static_cast<char*>(y2.host()) + off, len),
+                0)
+          << "y row " << r;
+      EXPECT_EQ(std::memcmp(static_cast<char*>(dx1.host()) + off,
+                            static_cast<char*>(dx2.host()) + off, len),
+                0)
+          << "dx row " << r;
+    }
+    same_bits(mean1, mean2, c.rows, "mean");
+    same_bits(rstd1, rstd2, c.rows, "rstd");
+    same_bits(dw1, dw2, c.cols, "dw");
+    same_bits(db1, db2, c.cols, "db");
+  }
+  unsetenv("FUSEDNORM_CUDA_STAGED_ROWS");
+}
+
+TEST(CudaTwoPhase, LayerNormBadInputThrows) {
+  REQUIRE_GPU();
+  const DType dt = DType::kBFloat16;
+  const std::int64_t rows = 4, cols = 64;
+  Buffer x(dt, rows * cols), y(dt, rows * cols), w(dt, cols), dw(dt, cols),
+      stats(DType::kFloat32, 4 * rows);
+  const ConstMatrix xd = const_matrix(x.device(), dt, rows, cols);
+  float* s = static_cast<float*>(stats.device());
+  auto throws_naming = [](const std::function<void()>& call, const std::string& op,
+                          const std::string& arg) {
+    try {
+      call();
+      ADD_FAILURE() << op << ": no error";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(op), std::string::npos) << what;
+      EXPECT_NE(what.find(arg), std::string::npos) << what;
+    }
+  };
+  throws_naming([&] { layer_norm_partial_sums(kGpu, xd, nullptr); }, "layer_norm_partial_sums",
+                "row_sum");
+  throws_naming([&] { layer_norm_partial_squared_deviations(kGpu, xd, s, cols - 1, s + rows); },
+                "layer_norm_partial_squared_deviations", "full_cols");
+  throws_naming(
+      [&] {
+        layer_norm_from_sums(kGpu, xd, {}, {}, matrix(y.device(), dt, rows, cols), s, nullptr, cols,
+                             nullptr, nullptr);
+      },
+      "layer_norm_from_sums", "row_sum_squared_deviations");
+  throws_naming(
+      [&] {
+        layer_norm_backward_partial_sums(kGpu, xd, xd, {}, nullptr, s, s + rows, s + 2 * rows);
+      },
+      "layer_norm_backward_partial_sums", "mean");
+  // dw wanted with no workspace: CUDA calls never allocate.
+  throws_naming(
+      [&] {
+        layer_norm_backward_from_sums(
+            kGpu, xd, xd, {w.device(), dt, cols}, s, s + rows, s + 2 * rows, s + 3 * rows, cols,
+            matrix(y.device(), dt, rows, cols), {dw.device(), dt, cols}, {});
+      },
+      "layer_norm_backward_from_sums", "workspace");
+}
+
 TEST(CudaEdgeCases, ZeroRowsAndZeroRowValues) {
   REQUIRE_GPU();
   // rows == 0: forward is a no-op, backward writes zero dw / db.

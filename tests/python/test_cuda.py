@@ -62,6 +62,51 @@ def test_cuda_fused_add_and_layer_norm():
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_layer_norm_phases_match_cpu(dtype):
+    """The LayerNorm phase operators on CUDA tensors (the two-phase kernels) against the same
+    operators on the CPU, over two column slices, forward and backward."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 5, 40, generator=g) + 1).to(dtype)
+    w = (1 + 0.3 * torch.randn(40, generator=g)).to(dtype)
+    b = (0.3 * torch.randn(40, generator=g)).to(dtype)
+    dy = torch.randn(3, 5, 40, generator=g).to(dtype)
+    parts = [slice(0, 17), slice(17, 40)]
+    results = {}
+    for device in ("cpu", "cuda"):
+        xd, wd, bd, dyd = (t.to(device) for t in (x, w, b, dy))
+        cols = [xd[..., c].contiguous() for c in parts]
+        total = sum(ops.layer_norm_partial_sums(xc) for xc in cols)
+        dev = sum(ops.layer_norm_partial_squared_deviations(xc, total, 40) for xc in cols)
+        outs = [
+            ops.layer_norm_from_sums(xc, wd[c], bd[c], total, dev, 40, 1e-5)
+            for xc, c in zip(cols, parts)
+        ]
+        mean, rstd = outs[0][1], outs[0][2]
+        sums = [
+            ops.layer_norm_backward_partial_sums(dyd[..., c], xc, wd[c], mean, rstd)
+            for xc, c in zip(cols, parts)
+        ]
+        sum_g, sum_g_xhat = sum(s[0] for s in sums), sum(s[1] for s in sums)
+        grads = [
+            ops.layer_norm_backward_from_sums(
+                dyd[..., c].contiguous(), xc, wd[c], mean, rstd, sum_g, sum_g_xhat, 40, 1e-5,
+                True, True,
+            )
+            for xc, c in zip(cols, parts)
+        ]
+        results[device] = (
+            torch.cat([o[0] for o in outs], -1), mean, rstd,
+            torch.cat([gr[0] for gr in grads], -1),
+            torch.cat([gr[1] for gr in grads]),
+            torch.cat([gr[2] for gr in grads]),
+        )
+    names = ("y", "mean", "rstd", "dx", "dw", "db")
+    for name, got, expected in zip(names, results["cuda"], results["cpu"]):
+        assert got.device.type == "cuda", name
+        assert_close_normalized(got, expected, TOL[dtype], name)
+
+
 def test_cuda_runs_on_current_stream_and_strided_view():
     base = torch.randn(32, 3000, device="cuda")
     x = base[:, :2048]  # row stride 3000
