@@ -83,22 +83,33 @@ def _ops(op: str):
     raise ValueError(op)
 
 
-def _placement_cases(rank: int, world: int, shape, dtype) -> None:
-    mesh = init_device_mesh("cpu", (world,))
-    g = torch.Generator().manual_seed(1234)
+def _case_inputs(shape, dtype, seed: int):
+    """x, residual, weight, bias and two output gradients of one placement test case."""
+    g = torch.Generator().manual_seed(seed)
     D = shape[-1]
     x = torch.randn(shape, generator=g).to(dtype)
     r = torch.randn(shape, generator=g).to(dtype)
     w = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype)
     b = (0.3 * torch.randn(D, generator=g)).to(dtype)
     dys = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
+    return x, r, w, b, dys
+
+
+def _single_process(reference, x, r, w, b, dys) -> dict:
+    """The single-process outputs and gradients that every placement is checked against."""
+    xs, rs, ws, bs = (t.clone().requires_grad_() for t in (x, r, w, b))
+    outs = reference(xs, rs, ws, bs)
+    torch.autograd.backward(outs, dys[: len(outs)])
+    return dict(out=[o.detach() for o in outs], dx=xs.grad, dr=rs.grad, dw=ws.grad, db=bs.grad)
+
+
+def _placement_cases(rank: int, world: int, shape, dtype) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    x, r, w, b, dys = _case_inputs(shape, dtype, 1234)
 
     for op in ("rms_norm", "fused_add", "layer_norm"):
         reference, call = _ops(op)
-        xs, rs, ws, bs = (t.clone().requires_grad_() for t in (x, r, w, b))
-        outs = reference(xs, rs, ws, bs)
-        torch.autograd.backward(outs, dys[: len(outs)])
-        expected = dict(out=[o.detach() for o in outs], dx=xs.grad, dr=rs.grad, dw=ws.grad, db=bs.grad)
+        expected = _single_process(reference, x, r, w, b, dys)
 
         for p in _placements_to_test(len(shape)):
             hidden = p.is_shard() and p.dim == len(shape) - 1

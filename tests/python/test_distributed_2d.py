@@ -36,7 +36,7 @@ from torch.distributed.tensor import (  # noqa: E402
     distribute_tensor,
 )
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
-from test_distributed import _check, _ops  # noqa: E402
+from test_distributed import _case_inputs, _check, _ops, _single_process  # noqa: E402
 
 MESH = (2, 2)
 WORLD = MESH[0] * MESH[1]
@@ -57,22 +57,11 @@ PLACEMENTS = [
 
 
 def _placement_cases(mesh, shape, dtype) -> None:
-    g = torch.Generator().manual_seed(4321)
-    D = shape[-1]
-    x = torch.randn(shape, generator=g).to(dtype)
-    r = torch.randn(shape, generator=g).to(dtype)
-    w = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype)
-    b = (0.3 * torch.randn(D, generator=g)).to(dtype)
-    dys = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
+    x, r, w, b, dys = _case_inputs(shape, dtype, 4321)
 
     for op in ("rms_norm", "fused_add", "layer_norm"):
         reference, call = _ops(op)
-        xs, rs, ws, bs = (t.clone().requires_grad_() for t in (x, r, w, b))
-        outs = reference(xs, rs, ws, bs)
-        torch.autograd.backward(outs, dys[: len(outs)])
-        expected = dict(
-            out=[o.detach() for o in outs], dx=xs.grad, dr=rs.grad, dw=ws.grad, db=bs.grad
-        )
+        expected = _single_process(reference, x, r, w, b, dys)
 
         for p in PLACEMENTS:
             hidden_dims = sum(1 for q in p if q == H)
@@ -140,43 +129,13 @@ def test_2d_mesh_placements_match_single_process():
 
 
 def _hsdp_tp_body(rank, world):
-    from test_distributed_llama import _batches, _models, _train
+    from test_distributed_llama import _batches, _models, _tensor_and_sequence_parallel, _train
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
 
     model, reference = _models()
     mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
     tp, dp = mesh["tp"], mesh["dp"]
-    seq = Shard(1)
-    layer_plan = {
-        "input_layernorm": SequenceParallel(),
-        "self_attn.q_proj": ColwiseParallel(input_layouts=seq),
-        "self_attn.k_proj": ColwiseParallel(input_layouts=seq),
-        "self_attn.v_proj": ColwiseParallel(input_layouts=seq),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
-        "post_attention_layernorm": SequenceParallel(),
-        "mlp.gate_proj": ColwiseParallel(input_layouts=seq),
-        "mlp.up_proj": ColwiseParallel(input_layouts=seq),
-        "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
-    }
-    for layer in model.model.layers:
-        parallelize_module(layer, tp, layer_plan)
-    parallelize_module(
-        model,
-        tp,
-        {
-            "model.embed_tokens": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=seq, use_local_output=False
-            ),
-            "model.norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-        },
-    )
+    seq = _tensor_and_sequence_parallel(model, tp)
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp)
     fully_shard(model, mesh=dp)

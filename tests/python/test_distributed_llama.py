@@ -107,8 +107,9 @@ def _fsdp2_body(rank, world):
     )
 
 
-def _tp_sp_body(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
+def _tensor_and_sequence_parallel(model, mesh):
+    """Llama's TP + SP plan over the 1-D mesh: the norms get SequenceParallel, the linears
+    column / row parallel; returns the sequence placement of the residual stream."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -117,8 +118,6 @@ def _tp_sp_body(rank, world):
         parallelize_module,
     )
 
-    model, reference = _models()
-    mesh = init_device_mesh("cpu", (world,))
     # The residual stream stays a DTensor sharded on the sequence (use_local_output=False),
     # so transformers sees the global shape (masks, positions).
     seq = Shard(1)
@@ -146,6 +145,15 @@ def _tp_sp_body(rank, world):
             "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
         },
     )
+    return seq
+
+
+def _tp_sp_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, reference = _models()
+    mesh = init_device_mesh("cpu", (world,))
+    seq = _tensor_and_sequence_parallel(model, mesh)
     # the fused norm receives and returns DTensors sharded on the sequence
     seen = []
     norm = model.model.layers[0].post_attention_layernorm
