@@ -398,15 +398,31 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const std::size_t esize = dtype_size(dtype);
   const DTypeKernels& k = row_kernels().by_dtype[static_cast<int>(dtype)];
   const QuantKernels& qk = quant_kernels();
-  const NormalizeAmaxFn normalize_amax =
-      qk.normalize_amax[static_cast<int>(dtype)][param_type(p.weight)];
   const QuantizeFn quantize = qk.quantize[quant_index(p.q.dtype)];
-  const std::size_t w_esize = p.weight.dtype == DType::kFloat32 ? 4 : esize;
+  const std::int64_t cols = p.cols();
   const float w_offset = kernel_weight_offset(p.weight_offset);
+  // The weight as fp32 (w + w_offset), once per call (free for an fp32 weight without
+  // offset): each row's normalize then loads it instead of converting and adding. Not for
+  // a few rows, where the conversion costs about as much as it saves. Converted by the
+  // kernels (w * 1 is exact) and added in fp32 as the kernels add it, so y keeps its bits.
+  const bool prepare = p.weight.data != nullptr &&
+                       (p.rows() > 2 || (p.weight.dtype == DType::kFloat32 && w_offset == 0.0f));
+  std::vector<float> prepared_storage;
+  const void* weight = p.weight.data;
+  if (prepare && !(p.weight.dtype == DType::kFloat32 && w_offset == 0.0f)) {
+    prepared_storage.resize(static_cast<std::size_t>(cols));
+    qk.normalize_amax[static_cast<int>(p.weight.dtype)][kNoParam](
+        p.weight.data, nullptr, prepared_storage.data(), cols, 1.0f, 0.0f);
+    for (float& w : prepared_storage) w += w_offset;
+    weight = prepared_storage.data();
+  }
+  const NormalizeAmaxFn normalize_amax =
+      prepare ? qk.normalize_amax_prepared[static_cast<int>(dtype)]
+              : qk.normalize_amax[static_cast<int>(dtype)][param_type(p.weight)];
+  const std::size_t w_esize = prepare || p.weight.dtype == DType::kFloat32 ? 4 : esize;
   const QuantScale& scale = p.quant_scale;
   const bool dynamic = scale.static_scale == nullptr;
   const float static_inv_scale = dynamic ? 0.0f : 1.0f / *scale.static_scale;
-  const std::int64_t cols = p.cols();
   const auto elements = static_cast<std::size_t>(p.rows() * cols);
   const std::size_t bytes = elements * (esize * (p.has_residual() ? 3 : 1) + 1);
   const ThreadPlan plan = plan_threads(p.rows(), cols, bytes, num_threads);
@@ -427,7 +443,7 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
     const float rstd = rstd_from_mean_square(sum_squares / static_cast<float>(cols), p.eps);
     const void* source = residual != nullptr ? residual : x;
     auto normalize_piece = [&](std::int64_t begin, std::int64_t n) {
-      const void* w = p.weight.data == nullptr ? nullptr : advance(p.weight.data, begin, w_esize);
+      const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);
       return normalize_amax(advance(source, begin, esize), w, y, n, rstd, w_offset);
     };
     unsigned char* q_row = static_cast<unsigned char*>(p.q.data) + r * p.q.row_stride;

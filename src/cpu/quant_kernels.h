@@ -26,6 +26,9 @@ using QuantizeFn = void (*)(const float* y, void* q, std::int64_t n, float inv_s
 struct QuantKernels {
   // [x DType][weight ParamType]; for fp32 rows kFloat32Param and kElementParam are the same.
   NormalizeAmaxFn normalize_amax[3][3];
+  // [x DType], w: fp32 (w + w_offset), computed by the caller exactly as the kernels above
+  // add it; w_offset is ignored. For calls of many rows: the weight is then converted once.
+  NormalizeAmaxFn normalize_amax_prepared[3];
   QuantizeFn quantize[2];  // [0: int8, 1: float8 e4m3]
   const char* target_name;
 };
