@@ -1,6 +1,8 @@
 // Highway implementation of quant_kernels.h, compiled once per SIMD target through
 // foreach_target.h. Few instantiations on purpose (compile time): per target, one
-// NormalizeAmax per (rows dtype, weight type) pair (8) and one quantizer per q dtype (2).
+// NormalizeAmax per (rows dtype, weight type) pair (8) and per rows dtype with a prepared
+// weight (3), one quantizer per q dtype (2), and one static-scale NormalizeQuantize per
+// (rows dtype, no / prepared weight, q dtype) (12).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/quant_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -218,6 +220,44 @@ void QuantizeFloats(const float* y, void* q_ptr, int64_t n, float inv_scale) {
   }
 }
 
+// Static scale: q = quantize(y * inv_scale) straight from x, y never stored (W: void or
+// PreparedWeight). The same operations as NormalizeAmax then QuantizeFloats, so the same bits.
+// (A function, not a lambda: GCC did not inline the lambda holding the E4M3 quantizer, which
+// cost 1.6 times the instructions.)
+template <typename T, typename W, bool kFp8>
+HWY_INLINE VI QuantizedElements(DF df, const T* x, const void* w, int64_t i, VF vrstd, VF vinv) {
+  // (voffset: only read for an unprepared weight)
+  const VF y = NormalizedElements<T, W>(Full(), df, x, w, i, hn::Lanes(df), vrstd, vrstd);
+  return Quantize<kFp8>(df, hn::Mul(y, vinv));
+}
+
+template <typename T, typename W, bool kFp8>
+void NormalizeQuantize(const void* x_ptr, const void* w, void* q_ptr, int64_t n, float rstd,
+                       float inv_scale) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const T* x = static_cast<const T*>(x_ptr);
+  auto* q = static_cast<uint8_t*>(q_ptr);
+  const VF vrstd = hn::Set(df, rstd), vinv = hn::Set(df, inv_scale);
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    StoreBytes4<kFp8>(QuantizedElements<T, W, kFp8>(df, x, w, i, vrstd, vinv),
+                      QuantizedElements<T, W, kFp8>(df, x, w, i + N, vrstd, vinv),
+                      QuantizedElements<T, W, kFp8>(df, x, w, i + 2 * N, vrstd, vinv),
+                      QuantizedElements<T, W, kFp8>(df, x, w, i + 3 * N, vrstd, vinv), q + i);
+  }
+  for (; i + N <= n; i += N) {
+    StoreBytes<kFp8>(QuantizedElements<T, W, kFp8>(df, x, w, i, vrstd, vinv), q + i);
+  }
+  if (i < n) {
+    const auto rest = static_cast<size_t>(n - i);
+    const VF y = NormalizedElements<T, W>(Partial(), df, x, w, i, rest, vrstd, vrstd);
+    HWY_ALIGN uint8_t staged[HWY_MAX_BYTES / sizeof(float)];
+    StoreBytes<kFp8>(Quantize<kFp8>(df, hn::Mul(y, vinv)), staged);
+    std::memcpy(q + i, staged, rest);
+  }
+}
+
 // ---- Table construction ----------------------------------------------------------------
 
 // The kernel of rows T with weight W (void: none) into its ParamType slots; for fp32 rows an
@@ -241,6 +281,11 @@ void SetNormalizeAmaxDType(QuantKernels* k, DType dtype) {
   SetNormalizeAmax<T, float>(k, dtype);
   if constexpr (!std::is_same_v<T, float>) SetNormalizeAmax<T, T>(k, dtype);
   k->normalize_amax_prepared[static_cast<int>(dtype)] = &NormalizeAmax<T, PreparedWeight>;
+  auto& fused = k->normalize_quantize[static_cast<int>(dtype)];
+  fused[0][0] = &NormalizeQuantize<T, void, false>;
+  fused[0][1] = &NormalizeQuantize<T, void, true>;
+  fused[1][0] = &NormalizeQuantize<T, PreparedWeight, false>;
+  fused[1][1] = &NormalizeQuantize<T, PreparedWeight, true>;
 }
 
 void FillQuantKernels(QuantKernels* k) {
