@@ -124,9 +124,11 @@ HWY_INLINE VI QuantizeInt8(DF df, VF v) {
 // 2^-9 below 2^-6), so the fp32 adder rounds a to nearest even on that step and
 // bits(B + a) = bits(B) + k with a ~ k steps, k <= 16. The code is then
 // ((max(e, -6) + 6) << 3) + k: the exponent field of B + a, rebiased, plus k (k = 16 carries
-// into the next exponent, as the rounding of the scalar version does). 15 operations per
-// vector on AVX2 where the version with separate normal / subnormal / saturated results and
-// three selects took 27 (callgrind: see the commit message).
+// into the next exponent, as the rounding of the scalar version does). No result is an fp32
+// subnormal (B + a >= 2^14), so FTZ / DAZ modes cannot change it (DAZ only zeroes inputs
+// below 2^-126, which quantize to 0 anyway). 15 vector operations on AVX2: with StoreBytes4,
+// QuantizeFloats went from 3.45 (three selects, one vector per store) to 2.39 instructions
+// per element (callgrind; docs/PERFORMANCE.md, sixth session).
 HWY_INLINE VI QuantizeE4M3(DF df, VF v) {
   const DI di;
   const DU du;
