@@ -388,8 +388,9 @@ std::size_t forward_bytes(const ForwardProblem& p) {
 // x is read from memory once (step 1; step 2 finds the row in the caches). A row longer than
 // the staging buffer (kQuantStagingFloats) goes through it in pieces: in dynamic mode step
 // 2 then only finds the amax and step 3 recomputes each piece of y (the row is read a
-// second time, from L2 / L3 or memory). Static mode needs no amax: steps 2 and 3 run piece
-// by piece. Staging y instead of recomputing it for step 3 cost fewer instructions
+// second time, from L2 / L3 or memory). Static mode needs no amax: q comes straight from x
+// (normalize_quantize; with a weight, when it is prepared as fp32, else steps 2 and 3 piece
+// by piece). Staging y instead of recomputing it for step 3 cost fewer instructions
 // (callgrind, bf16 64 x 4096, bf16 weight, the benchmark's 4 modes: 22.8 M -> 20.9 M).
 // A large q (large_output's threshold) is quantized into a second L1 buffer and copied out
 // with non-temporal stores (stream_copy), which skip reading each line of q before
@@ -400,15 +401,37 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const std::size_t esize = dtype_size(dtype);
   const DTypeKernels& k = row_kernels().by_dtype[static_cast<int>(dtype)];
   const QuantKernels& qk = quant_kernels();
-  const NormalizeAmaxFn normalize_amax =
-      qk.normalize_amax[static_cast<int>(dtype)][param_type(p.weight)];
   const QuantizeFn quantize = qk.quantize[quant_index(p.q.dtype)];
-  const std::size_t w_esize = p.weight.dtype == DType::kFloat32 ? 4 : esize;
+  const std::int64_t cols = p.cols();
   const float w_offset = kernel_weight_offset(p.weight_offset);
+  // The weight as fp32 (w + w_offset), once per call (free for an fp32 weight without
+  // offset): each row's normalize then loads it instead of converting and adding. Not for
+  // a few rows, where the conversion costs about as much as it saves. Converted by the
+  // kernels (w * 1 is exact) and added in fp32 as the kernels add it, so y keeps its bits.
+  const bool prepare = p.weight.data != nullptr &&
+                       (p.rows() > 2 || (p.weight.dtype == DType::kFloat32 && w_offset == 0.0f));
+  std::vector<float> prepared_storage;
+  const void* weight = p.weight.data;
+  if (prepare && !(p.weight.dtype == DType::kFloat32 && w_offset == 0.0f)) {
+    prepared_storage.resize(static_cast<std::size_t>(cols));
+    qk.normalize_amax[static_cast<int>(p.weight.dtype)][kNoParam](
+        p.weight.data, nullptr, prepared_storage.data(), cols, 1.0f, 0.0f);
+    for (float& w : prepared_storage) w += w_offset;
+    weight = prepared_storage.data();
+  }
+  const NormalizeAmaxFn normalize_amax =
+      prepare ? qk.normalize_amax_prepared[static_cast<int>(dtype)]
+              : qk.normalize_amax[static_cast<int>(dtype)][param_type(p.weight)];
+  const std::size_t w_esize = prepare || p.weight.dtype == DType::kFloat32 ? 4 : esize;
   const QuantScale& scale = p.quant_scale;
   const bool dynamic = scale.static_scale == nullptr;
   const float static_inv_scale = dynamic ? 0.0f : 1.0f / *scale.static_scale;
-  const std::int64_t cols = p.cols();
+  // Static mode needs no amax: y goes straight to q, without the staging buffer (step 2).
+  const NormalizeQuantizeFn normalize_quantize =
+      !dynamic && (weight == nullptr || prepare)
+          ? qk.normalize_quantize[static_cast<int>(dtype)][weight != nullptr]
+                                 [quant_index(p.q.dtype)]
+          : nullptr;
   const auto elements = static_cast<std::size_t>(p.rows() * cols);
   const std::size_t bytes = elements * (esize * (p.has_residual() ? 3 : 1) + 1);
   const ThreadPlan plan = plan_threads(p.rows(), cols, bytes, num_threads);
@@ -429,7 +452,7 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
     const float rstd = rstd_from_mean_square(sum_squares / static_cast<float>(cols), p.eps);
     const void* source = residual != nullptr ? residual : x;
     auto normalize_piece = [&](std::int64_t begin, std::int64_t n) {
-      const void* w = p.weight.data == nullptr ? nullptr : advance(p.weight.data, begin, w_esize);
+      const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);
       return normalize_amax(advance(source, begin, esize), w, y, n, rstd, w_offset);
     };
     unsigned char* q_row = static_cast<unsigned char*>(p.q.data) + r * p.q.row_stride;
@@ -443,6 +466,18 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
         done += count;
       }
     };
+    if (normalize_quantize != nullptr) {
+      // Static scale, no weight or a prepared one: q straight from the row.
+      for (std::int64_t begin = 0; begin < cols;) {
+        const std::int64_t n = stream ? std::min<std::int64_t>(cols - begin, kStagingBytes) : cols;
+        const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);
+        normalize_quantize(advance(source, begin, esize), w, stream ? q_staging : q_row + begin, n,
+                           rstd, static_inv_scale);
+        if (stream) stream_copy(q_row + begin, q_staging, n);
+        begin += n;
+      }
+      return;
+    }
     const bool one_piece = cols <= kQuantStagingFloats;
     float inv_scale = static_inv_scale;
     if (dynamic) {

@@ -1,10 +1,13 @@
 // Highway implementation of quant_kernels.h, compiled once per SIMD target through
 // foreach_target.h. Few instantiations on purpose (compile time): per target, one
-// NormalizeAmax per (rows dtype, weight type) pair (8) and one quantizer per q dtype (2).
+// NormalizeAmax per (rows dtype, weight type) pair (8) and per rows dtype with a prepared
+// weight (3), one quantizer per q dtype (2), and one static-scale NormalizeQuantize per
+// (rows dtype, no / prepared weight, q dtype) (12).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/quant_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -18,14 +21,38 @@ namespace HWY_NAMESPACE {
 
 // y = x * rstd [* (w + w_offset)]: the operations of row_kernels-inl.h's Normalize (RMSNorm),
 // in the same order, so y has rms_norm's fp32 bits before its rounding to x's dtype.
+// W = PreparedWeight: w holds (w + w_offset) in fp32 (cpu_backend.cpp computes it once per
+// call with the same fp32 addition), so y gets the same bits with one load per vector.
+struct PreparedWeight {};
+
 template <typename T, typename W, class IsFull>
 HWY_INLINE VF NormalizedElements(IsFull full, DF df, const T* x, const void* w, int64_t i,
                                  size_t count, VF vrstd, VF voffset) {
   VF y = hn::Mul(LoadElements(full, df, x + i, count), vrstd);
-  if constexpr (!std::is_void_v<W>) {
+  if constexpr (std::is_same_v<W, PreparedWeight>) {
+    y = hn::Mul(y, LoadElements(full, df, static_cast<const float*>(w) + i, count));
+  } else if constexpr (!std::is_void_v<W>) {
     y = hn::Mul(y, hn::Add(LoadElements(full, df, static_cast<const W*>(w) + i, count), voffset));
   }
   return y;
+}
+
+// max |y[j]| over the non-NaN y[j] of a staged piece that holds a NaN (NormalizeAmax's
+// rare path: a NaN row).
+float MaxMagnitudeWithoutNaN(const float* y, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF acc = hn::Zero(df);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    const VF v = hn::LoadU(df, y + i);
+    acc = hn::Max(acc, hn::IfThenZeroElse(hn::IsNaN(v), hn::Abs(v)));
+  }
+  float amax = hn::GetLane(hn::MaxOfLanes(df, acc));
+  for (; i < n; ++i) {
+    if (!std::isnan(y[i])) amax = std::fmax(amax, std::fabs(y[i]));
+  }
+  return amax;
 }
 
 // y = x * rstd [* (w + w_offset)] of n elements into y_out (fp32); returns max |y| over the
@@ -34,43 +61,53 @@ template <typename T, typename W>
 float NormalizeAmax(const void* x_ptr, const void* w, float* y_out, int64_t n, float rstd,
                     float w_offset) {
   const DF df;
+  const hn::RebindToSigned<DF> di;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const T* x = static_cast<const T*>(x_ptr);
   const VF vrstd = hn::Set(df, rstd), voffset = hn::Set(df, w_offset);
-  // NaN lanes count as 0: x86's max would otherwise keep or drop them by operand order.
-  auto magnitude = [](VF y) { return hn::IfThenZeroElse(hn::IsNaN(y), hn::Abs(y)); };
-  VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
+  // The max is taken over the bits of |y| as integers: non-negative floats order as their
+  // bits do, and a NaN's bits exceed Inf's, so a NaN shows in the result and sends the piece
+  // to the rare path. One AND and one integer max per vector where excluding NaN lanes as
+  // they come took four operations.
+  const auto abs_mask = hn::Set(di, 0x7fffffff);
+  auto magnitude_bits = [&](VF y) { return hn::And(hn::BitCast(di, y), abs_mask); };
+  auto acc0 = hn::Zero(di), acc1 = hn::Zero(di);
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
     const VF y0 = NormalizedElements<T, W>(Full(), df, x, w, i, N, vrstd, voffset);
     const VF y1 = NormalizedElements<T, W>(Full(), df, x, w, i + N, N, vrstd, voffset);
     hn::StoreU(y0, df, y_out + i);
     hn::StoreU(y1, df, y_out + i + N);
-    acc0 = hn::Max(acc0, magnitude(y0));
-    acc1 = hn::Max(acc1, magnitude(y1));
+    acc0 = hn::Max(acc0, magnitude_bits(y0));
+    acc1 = hn::Max(acc1, magnitude_bits(y1));
   }
   for (; i + N <= n; i += N) {
     const VF y = NormalizedElements<T, W>(Full(), df, x, w, i, N, vrstd, voffset);
     hn::StoreU(y, df, y_out + i);
-    acc0 = hn::Max(acc0, magnitude(y));
+    acc0 = hn::Max(acc0, magnitude_bits(y));
   }
   if (i < n) {
-    // Padding lanes load as 0 (y = 0, or NaN when rstd is Inf): they never raise the max.
+    // Padding lanes load as 0: y = 0, or NaN when rstd is Inf (then the rare path below
+    // looks at the n stored values only).
     const auto rest = static_cast<size_t>(n - i);
     const VF y = NormalizedElements<T, W>(Partial(), df, x, w, i, rest, vrstd, voffset);
     StoreFloats(Partial(), df, y, y_out + i, rest);
-    acc1 = hn::Max(acc1, magnitude(y));
+    acc1 = hn::Max(acc1, magnitude_bits(y));
   }
-  return hn::GetLane(hn::MaxOfLanes(df, hn::Max(acc0, acc1)));
+  const int32_t amax_bits = hn::GetLane(hn::MaxOfLanes(di, hn::Max(acc0, acc1)));
+  if (amax_bits > 0x7f800000) return MaxMagnitudeWithoutNaN(y_out, n);
+  return detail::bits_float(static_cast<uint32_t>(amax_bits));
 }
 
-// One vector of fp32 values to quantized bytes (Lanes(DF) of them at p): the bits of
-// quantize.h's float_to_int8_saturate / float_to_e4m3_saturate, lane by lane.
+// The quantizers turn fp32 values into one byte per i32 lane (int8 values as -128..127,
+// E4M3 codes as 0..255), the bits of quantize.h's float_to_int8_saturate /
+// float_to_e4m3_saturate; StoreBytes narrows the lanes to bytes.
 using D8 = hn::Rebind<uint8_t, DF>;
 using DI = hn::RebindToSigned<DF>;
 using DU = hn::RebindToUnsigned<DF>;
+using VI = hn::Vec<DI>;
 
-HWY_INLINE hn::Vec<D8> QuantizeInt8(DF df, VF v) {
+HWY_INLINE VI QuantizeInt8(DF df, VF v) {
   const DI di;
   v = hn::IfThenZeroElse(hn::IsNaN(v), v);
   v = hn::Min(hn::Max(v, hn::Set(df, -128.0f)), hn::Set(df, 127.0f));
@@ -79,40 +116,41 @@ HWY_INLINE hn::Vec<D8> QuantizeInt8(DF df, VF v) {
   // integer. (Subtracting the constant in fp32 and converting cost five more instructions
   // per vector on AVX2: Highway's ConvertTo guards against out-of-range values.)
   const VF magic = hn::Set(df, 12582912.0f);
-  const auto integer = hn::Sub(hn::BitCast(di, hn::Add(v, magic)), hn::Set(di, 0x4b400000));
-  const hn::Rebind<int8_t, DF> d8;
-  return hn::BitCast(D8(), hn::DemoteTo(d8, integer));
+  return hn::Sub(hn::BitCast(di, hn::Add(v, magic)), hn::Set(di, 0x4b400000));
 }
 
-HWY_INLINE hn::Vec<D8> QuantizeE4M3(DF df, VF v) {
+// One formula for normal and subnormal E4M3 values: with a = min(|v|, 448) and
+// B = 2^(max(e, -6) + 20) (e: a's fp32 exponent), B's fp32 ulp is a's E4M3 step (2^(e-3),
+// 2^-9 below 2^-6), so the fp32 adder rounds a to nearest even on that step and
+// bits(B + a) = bits(B) + k with a ~ k steps, k <= 16. The code is then
+// ((max(e, -6) + 6) << 3) + k: the exponent field of B + a, rebiased, plus k (k = 16 carries
+// into the next exponent, as the rounding of the scalar version does). No result is an fp32
+// subnormal (B + a >= 2^14), so FTZ / DAZ modes cannot change it (DAZ only zeroes inputs
+// below 2^-126, which quantize to 0 anyway). 15 vector operations on AVX2: with StoreBytes4,
+// QuantizeFloats went from 3.45 (three selects, one vector per store) to 2.39 instructions
+// per element (callgrind; docs/PERFORMANCE.md, sixth session).
+HWY_INLINE VI QuantizeE4M3(DF df, VF v) {
   const DI di;
   const DU du;
-  const auto bits = hn::BitCast(du, v);
-  const auto sign = hn::And(hn::ShiftRight<24>(bits), hn::Set(du, 0x80u));
-  const auto abs_bits = hn::And(bits, hn::Set(du, 0x7fffffffu));
-  // abs_bits < 2^31: signed comparisons are exact (and native on every target).
-  const auto abs_signed = hn::BitCast(di, abs_bits);
-  const auto is_nan = hn::RebindMask(du, hn::Gt(abs_signed, hn::Set(di, 0x7f800000)));
-  const auto saturates = hn::RebindMask(du, hn::Gt(abs_signed, hn::Set(di, 0x43dfffff)));
-  const auto subnormal = hn::RebindMask(du, hn::Lt(abs_signed, hn::Set(di, 0x3c800000)));
-  // Below 2^-6: m * 2^-9, rounded by the fp32 adder (2^14's ulp is 2^-9).
-  const VF magic = hn::Set(df, 16384.0f);
-  const auto small =
-      hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(df, abs_bits), magic)), hn::BitCast(du, magic));
-  // Normal: round the 20 dropped mantissa bits to nearest even, rebias the exponent.
-  const auto rounded = hn::Add(
-      abs_bits,
-      hn::Add(hn::Set(du, 0x7ffffu), hn::And(hn::ShiftRight<20>(abs_bits), hn::Set(du, 1u))));
-  const auto normal = hn::Sub(hn::ShiftRight<20>(rounded), hn::Set(du, 120u << 3));
-  auto magnitude = hn::IfThenElse(subnormal, small, normal);
-  magnitude = hn::IfThenElse(saturates, hn::Set(du, 0x7eu), magnitude);
+  const auto bits = hn::BitCast(di, v);
+  const auto abs_bits = hn::And(bits, hn::Set(di, 0x7fffffff));
+  // abs_bits < 2^31: signed comparisons and min / max are exact.
+  const auto is_nan = hn::Gt(abs_bits, hn::Set(di, 0x7f800000));
+  const auto a = hn::Min(abs_bits, hn::Set(di, 0x43e00000));  // >= 448 and Inf: 448
+  const auto b = hn::Add(hn::Max(hn::And(a, hn::Set(di, 0x7f800000)), hn::Set(di, 0x3c800000)),
+                         hn::Set(di, 20 << 23));
+  const auto sum = hn::BitCast(di, hn::Add(hn::BitCast(df, a), hn::BitCast(df, b)));
+  // (sum - bits(2^14)) >> 20 is (exponent - 141) << 3 (k < 2^20 shifts out); 2^14 is B below 2^-6.
+  const auto magnitude = hn::Add(hn::ShiftRight<20>(hn::Sub(sum, hn::Set(di, 141 << 23))),
+                                 hn::And(sum, hn::Set(di, 0x1f)));
+  const auto sign =
+      hn::BitCast(di, hn::And(hn::ShiftRight<24>(hn::BitCast(du, bits)), hn::Set(du, 0x80u)));
   // NaN: the canonical 0x7f, sign dropped (quantize.h, as CUDA's conversions).
-  const auto code = hn::IfThenElse(is_nan, hn::Set(du, 0x7fu), hn::Or(sign, magnitude));
-  return hn::DemoteTo(D8(), hn::BitCast(di, code));
+  return hn::IfThenElse(is_nan, hn::Set(di, 0x7f), hn::Or(sign, magnitude));
 }
 
 template <bool kFp8>
-HWY_INLINE hn::Vec<D8> Quantize(DF df, VF v) {
+HWY_INLINE VI Quantize(DF df, VF v) {
   if constexpr (kFp8) {
     return QuantizeE4M3(df, v);
   } else {
@@ -120,28 +158,104 @@ HWY_INLINE hn::Vec<D8> Quantize(DF df, VF v) {
   }
 }
 
+// One vector's bytes (Lanes(DF) of them) at p: int8 values by signed saturation (a no-op on
+// values already in range), E4M3 codes by unsigned saturation.
+template <bool kFp8>
+HWY_INLINE void StoreBytes(VI v, uint8_t* p) {
+  const D8 d8;
+  if constexpr (kFp8) {
+    hn::StoreU(hn::DemoteTo(d8, v), d8, p);
+  } else {
+    hn::StoreU(hn::BitCast(d8, hn::DemoteTo(hn::Rebind<int8_t, DF>(), v)), d8, p);
+  }
+}
+
+// Four vectors' bytes (4 * Lanes(DF)) at p, in order. x86's packs narrow two registers at
+// once, which StoreBytes (Highway 1.0's DemoteTo, one vector) cannot use: on AVX2 three packs
+// and one permute here against three shuffles per vector there. Within 128-bit registers the
+// packs keep lane order; AVX2's work per 128-bit half, so its bytes come out as the 4-byte
+// groups a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7 and one permute orders them. Other targets
+// (AVX-512 narrows a vector in one instruction) store vector by vector.
+template <bool kFp8>
+HWY_INLINE void StoreBytes4(VI a, VI b, VI c, VI d, uint8_t* p) {
+#if HWY_TARGET == HWY_AVX2
+  const __m256i ab = _mm256_packs_epi32(a.raw, b.raw);
+  const __m256i cd = _mm256_packs_epi32(c.raw, d.raw);
+  const __m256i bytes = kFp8 ? _mm256_packus_epi16(ab, cd) : _mm256_packs_epi16(ab, cd);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permutevar8x32_epi32(bytes, order));
+#elif HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_SSSE3
+  const __m128i ab = _mm_packs_epi32(a.raw, b.raw);
+  const __m128i cd = _mm_packs_epi32(c.raw, d.raw);
+  const __m128i bytes = kFp8 ? _mm_packus_epi16(ab, cd) : _mm_packs_epi16(ab, cd);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bytes);
+#else
+  const size_t N = hn::Lanes(DF());
+  StoreBytes<kFp8>(a, p);
+  StoreBytes<kFp8>(b, p + N);
+  StoreBytes<kFp8>(c, p + 2 * N);
+  StoreBytes<kFp8>(d, p + 3 * N);
+#endif
+}
+
 template <bool kFp8>
 void QuantizeFloats(const float* y, void* q_ptr, int64_t n, float inv_scale) {
   const DF df;
-  const D8 d8;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   auto* q = static_cast<uint8_t*>(q_ptr);
   const VF vinv = hn::Set(df, inv_scale);
+  auto quantized = [&](int64_t i) {
+    return Quantize<kFp8>(df, hn::Mul(hn::LoadU(df, y + i), vinv));
+  };
   int64_t i = 0;
-  for (; i + 2 * N <= n; i += 2 * N) {
-    const VF a = hn::Mul(hn::LoadU(df, y + i), vinv);
-    const VF b = hn::Mul(hn::LoadU(df, y + i + N), vinv);
-    hn::StoreU(Quantize<kFp8>(df, a), d8, q + i);
-    hn::StoreU(Quantize<kFp8>(df, b), d8, q + i + N);
+  for (; i + 4 * N <= n; i += 4 * N) {
+    StoreBytes4<kFp8>(quantized(i), quantized(i + N), quantized(i + 2 * N), quantized(i + 3 * N),
+                      q + i);
   }
-  for (; i + N <= n; i += N) {
-    hn::StoreU(Quantize<kFp8>(df, hn::Mul(hn::LoadU(df, y + i), vinv)), d8, q + i);
-  }
+  for (; i + N <= n; i += N) StoreBytes<kFp8>(quantized(i), q + i);
   if (i < n) {
     const auto rest = static_cast<size_t>(n - i);
     const VF v = hn::Mul(LoadElements(Partial(), df, y + i, rest), vinv);
     HWY_ALIGN uint8_t staged[HWY_MAX_BYTES / sizeof(float)];
-    hn::Store(Quantize<kFp8>(df, v), d8, staged);
+    StoreBytes<kFp8>(Quantize<kFp8>(df, v), staged);
+    std::memcpy(q + i, staged, rest);
+  }
+}
+
+// Static scale: q = quantize(y * inv_scale) straight from x, y never stored (W: void or
+// PreparedWeight). The same operations as NormalizeAmax then QuantizeFloats, so the same bits.
+// (A function, not a lambda: GCC did not inline the lambda holding the E4M3 quantizer, which
+// cost 1.6 times the instructions.)
+template <typename T, typename W, bool kFp8>
+HWY_INLINE VI QuantizedElements(DF df, const T* x, const void* w, int64_t i, VF vrstd, VF vinv) {
+  // (voffset: only read for an unprepared weight)
+  const VF y = NormalizedElements<T, W>(Full(), df, x, w, i, hn::Lanes(df), vrstd, vrstd);
+  return Quantize<kFp8>(df, hn::Mul(y, vinv));
+}
+
+template <typename T, typename W, bool kFp8>
+void NormalizeQuantize(const void* x_ptr, const void* w, void* q_ptr, int64_t n, float rstd,
+                       float inv_scale) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const T* x = static_cast<const T*>(x_ptr);
+  auto* q = static_cast<uint8_t*>(q_ptr);
+  const VF vrstd = hn::Set(df, rstd), vinv = hn::Set(df, inv_scale);
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    StoreBytes4<kFp8>(QuantizedElements<T, W, kFp8>(df, x, w, i, vrstd, vinv),
+                      QuantizedElements<T, W, kFp8>(df, x, w, i + N, vrstd, vinv),
+                      QuantizedElements<T, W, kFp8>(df, x, w, i + 2 * N, vrstd, vinv),
+                      QuantizedElements<T, W, kFp8>(df, x, w, i + 3 * N, vrstd, vinv), q + i);
+  }
+  for (; i + N <= n; i += N) {
+    StoreBytes<kFp8>(QuantizedElements<T, W, kFp8>(df, x, w, i, vrstd, vinv), q + i);
+  }
+  if (i < n) {
+    const auto rest = static_cast<size_t>(n - i);
+    const VF y = NormalizedElements<T, W>(Partial(), df, x, w, i, rest, vrstd, vrstd);
+    HWY_ALIGN uint8_t staged[HWY_MAX_BYTES / sizeof(float)];
+    StoreBytes<kFp8>(Quantize<kFp8>(df, hn::Mul(y, vinv)), staged);
     std::memcpy(q + i, staged, rest);
   }
 }
@@ -168,6 +282,12 @@ void SetNormalizeAmaxDType(QuantKernels* k, DType dtype) {
   SetNormalizeAmax<T, void>(k, dtype);
   SetNormalizeAmax<T, float>(k, dtype);
   if constexpr (!std::is_same_v<T, float>) SetNormalizeAmax<T, T>(k, dtype);
+  k->normalize_amax_prepared[static_cast<int>(dtype)] = &NormalizeAmax<T, PreparedWeight>;
+  auto& fused = k->normalize_quantize[static_cast<int>(dtype)];
+  fused[0][0] = &NormalizeQuantize<T, void, false>;
+  fused[0][1] = &NormalizeQuantize<T, void, true>;
+  fused[1][0] = &NormalizeQuantize<T, PreparedWeight, false>;
+  fused[1][1] = &NormalizeQuantize<T, PreparedWeight, true>;
 }
 
 void FillQuantKernels(QuantKernels* k) {

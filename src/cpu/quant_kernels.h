@@ -20,13 +20,22 @@ namespace fusednorm::cpu {
 // non-NaN y (0 if none).
 using NormalizeAmaxFn = float (*)(const void* x, const void* w, float* y, std::int64_t n,
                                   float rstd, float w_offset);
+// Static scale: q[j] = quantize(y[j] * inv_scale) with y[j] as NormalizeAmaxFn computes it,
+// never stored; w: none or prepared (normalize_amax_prepared's), j < n.
+using NormalizeQuantizeFn = void (*)(const void* x, const void* w, void* q, std::int64_t n,
+                                     float rstd, float inv_scale);
 // q[j] = quantize(y[j] * inv_scale) with quantize.h's saturating conversion, j < n.
 using QuantizeFn = void (*)(const float* y, void* q, std::int64_t n, float inv_scale);
 
 struct QuantKernels {
   // [x DType][weight ParamType]; for fp32 rows kFloat32Param and kElementParam are the same.
   NormalizeAmaxFn normalize_amax[3][3];
+  // [x DType], w: fp32 (w + w_offset), computed by the caller exactly as the kernels above
+  // add it; w_offset is ignored. For calls of many rows: the weight is then converted once.
+  NormalizeAmaxFn normalize_amax_prepared[3];
   QuantizeFn quantize[2];  // [0: int8, 1: float8 e4m3]
+  // [x DType][0: no weight, 1: prepared weight][quant_index]
+  NormalizeQuantizeFn normalize_quantize[3][2][2];
   const char* target_name;
 };
 
