@@ -66,8 +66,13 @@ Ptr advance(Ptr base, std::int64_t elements, std::size_t element_size) {
                           elements * static_cast<std::int64_t>(element_size));
 }
 
-// The backward's weight as fp32 with weight_offset folded in; borrows the caller's buffer
-// when no conversion is needed. (The forward kernels read weights in their own dtype.)
+// A weight as fp32 with the weight offset folded in (w + offset, one fp32 add, as the
+// forward kernels add it), for the backward and for the quantized forward of many rows;
+// borrows the caller's buffer when no conversion is needed. (The plain forward kernels
+// read weights in their own dtype.) The conversion is the SIMD kernels' (exact); the copy
+// lives in the calling thread's buffer, kept between calls, so that a call allocates
+// nothing once the buffer has grown to D (it keeps D * 4 bytes per calling thread); a
+// second PreparedVector alive on the same thread gets its own storage.
 class PreparedVector {
  public:
   PreparedVector(ConstVector v, float offset) {
@@ -76,19 +81,39 @@ class PreparedVector {
       data_ = static_cast<const float*>(v.data);
       return;
     }
-    storage_.resize(static_cast<std::size_t>(v.size));
-    for (std::int64_t j = 0; j < v.size; ++j) {
-      storage_[j] = detail::load_as_float(v.data, v.dtype, j) + offset;
+    const auto n = static_cast<std::size_t>(v.size);
+    std::vector<float>* storage = &own_storage_;
+    if (!thread_buffer_in_use_) {
+      thread_buffer_in_use_ = holds_thread_buffer_ = true;
+      storage = &thread_buffer_;
     }
-    data_ = storage_.data();
+    if (storage->size() < n) storage->resize(n);
+    float* out = storage->data();
+    // x * 1 with no weight: the kernels' exact widening.
+    quant_kernels().normalize_amax[static_cast<int>(v.dtype)][kNoParam](v.data, nullptr, out,
+                                                                        v.size, 1.0f, 0.0f);
+    if (offset != 0.0f) {
+      for (std::size_t j = 0; j < n; ++j) out[j] += offset;
+    }
+    data_ = out;
   }
+  ~PreparedVector() {
+    if (holds_thread_buffer_) thread_buffer_in_use_ = false;
+  }
+  PreparedVector(const PreparedVector&) = delete;
+  PreparedVector& operator=(const PreparedVector&) = delete;
   const float* data() const { return data_; }
   bool present() const { return data_ != nullptr; }
 
  private:
-  std::vector<float> storage_;
+  static thread_local std::vector<float> thread_buffer_;
+  static thread_local bool thread_buffer_in_use_;
+  std::vector<float> own_storage_;
+  bool holds_thread_buffer_ = false;
   const float* data_ = nullptr;
 };
+thread_local std::vector<float> PreparedVector::thread_buffer_;
+thread_local bool PreparedVector::thread_buffer_in_use_ = false;
 
 // Outputs at least this large are written with non-temporal stores; smaller ones with
 // ordinary stores, so that they stay in cache for the next layer. Measured on a 2-core
@@ -406,19 +431,12 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const float w_offset = kernel_weight_offset(p.weight_offset);
   // The weight as fp32 (w + w_offset), once per call (free for an fp32 weight without
   // offset): each row's normalize then loads it instead of converting and adding. Not for
-  // a few rows, where the conversion costs about as much as it saves. Converted by the
-  // kernels (w * 1 is exact) and added in fp32 as the kernels add it, so y keeps its bits.
+  // a few rows, where the conversion costs about as much as it saves. Added in fp32 as the
+  // kernels add it (-0.0f without an offset), so y keeps its bits.
   const bool prepare = p.weight.data != nullptr &&
                        (p.rows() > 2 || (p.weight.dtype == DType::kFloat32 && w_offset == 0.0f));
-  std::vector<float> prepared_storage;
-  const void* weight = p.weight.data;
-  if (prepare && !(p.weight.dtype == DType::kFloat32 && w_offset == 0.0f)) {
-    prepared_storage.resize(static_cast<std::size_t>(cols));
-    qk.normalize_amax[static_cast<int>(p.weight.dtype)][kNoParam](
-        p.weight.data, nullptr, prepared_storage.data(), cols, 1.0f, 0.0f);
-    for (float& w : prepared_storage) w += w_offset;
-    weight = prepared_storage.data();
-  }
+  const PreparedVector prepared(prepare ? p.weight : ConstVector{}, w_offset);
+  const void* weight = prepare ? prepared.data() : p.weight.data;
   const NormalizeAmaxFn normalize_amax =
       prepare ? qk.normalize_amax_prepared[static_cast<int>(dtype)]
               : qk.normalize_amax[static_cast<int>(dtype)][param_type(p.weight)];
