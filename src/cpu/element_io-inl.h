@@ -156,6 +156,37 @@ struct ElementIO<hwy::bfloat16_t, kNaNs> {
   static void StreamPair(DF df, VF first, VF second, hwy::bfloat16_t* aligned) {
     StreamDemoted(DW(), DemotePair(df, first, second), reinterpret_cast<uint16_t*>(aligned));
   }
+
+  // The 2 * Lanes(DF) elements at p as two vectors of their even and odd elements (see
+  // PairLayout::kParity): each 32-bit word holds an even element in its low half and the
+  // next odd one in its high half, so one shift or one mask widens either (with the load
+  // folded in) where the halves layout needs a widening move and a shift per vector.
+  static VF LoadEven(DF df, const hwy::bfloat16_t* p) {
+    return hn::BitCast(df, hn::ShiftLeft<16>(LoadWords(p)));
+  }
+  static VF LoadOdd(DF df, const hwy::bfloat16_t* p) {
+    const hn::RebindToUnsigned<DF> du;
+    return hn::BitCast(df, hn::And(LoadWords(p), hn::Set(du, 0xffff0000u)));
+  }
+  // The inverse: the rounded odd elements stay in the high halves, the even ones move down
+  // into the low halves, one blend joins them (no pack, no cross-lane permute).
+  static hn::Vec<DW> DemoteParity(DF df, VF even, VF odd) {
+    const DW dw;
+    return hn::OddEven(hn::BitCast(dw, RoundedBits(df, odd)),
+                       hn::BitCast(dw, hn::ShiftRight<16>(RoundedBits(df, even))));
+  }
+  static void StoreParity(DF df, VF even, VF odd, hwy::bfloat16_t* p) {
+    hn::StoreU(DemoteParity(df, even, odd), DW(), reinterpret_cast<uint16_t*>(p));
+  }
+  static void StreamParity(DF df, VF even, VF odd, hwy::bfloat16_t* aligned) {
+    StreamDemoted(DW(), DemoteParity(df, even, odd), reinterpret_cast<uint16_t*>(aligned));
+  }
+
+ private:
+  static hn::Vec<hn::RebindToUnsigned<DF>> LoadWords(const hwy::bfloat16_t* p) {
+    return hn::BitCast(hn::RebindToUnsigned<DF>(),
+                       hn::LoadU(DW(), reinterpret_cast<const uint16_t*>(p)));
+  }
 #endif
 };
 
@@ -186,6 +217,17 @@ using FloatTail = Tail<float>;
 using Full = std::true_type;      // a whole vector of elements
 using Partial = std::false_type;  // fewer elements than lanes: staged through a Tail
 
+// How a kernel's output loop takes apart the 2 * lanes elements of a pair of vectors.
+//   kHalves: the first vector holds elements [0, lanes), the second [lanes, 2 * lanes).
+//   kParity: the first holds the even elements, the second the odd ones (bf16 only, and
+//            only where every tensor the loop reads is bf16: an fp32 weight would need a
+//            shuffle per vector to follow). The arithmetic is per element, so the layout
+//            changes no result, only the instructions: the bf16 RMSNorm write loop went from
+//            36 to 24 instructions per 16 elements on AVX2 (see PairLayout's users).
+enum class PairLayout { kHalves, kParity };
+struct EvenOfPair {};  // the even elements of the pair starting at the given index
+struct OddOfPair {};   // its odd elements
+
 // Loads `count` elements at p as fp32: directly for a whole vector, staged otherwise.
 template <typename T, class IsFull>
 VF LoadElements(IsFull, DF df, const T* p, size_t count) {
@@ -194,6 +236,17 @@ VF LoadElements(IsFull, DF df, const T* p, size_t count) {
   } else {
     return Tail<T>(p, count).Load(df);
   }
+}
+
+template <typename T>
+VF LoadElements(EvenOfPair, DF df, const T* p, size_t) {
+  static_assert(std::is_same_v<T, hwy::bfloat16_t>, "PairLayout::kParity reads bf16 only");
+  return ElementIO<T>::LoadEven(df, p);
+}
+template <typename T>
+VF LoadElements(OddOfPair, DF df, const T* p, size_t) {
+  static_assert(std::is_same_v<T, hwy::bfloat16_t>, "PairLayout::kParity reads bf16 only");
+  return ElementIO<T>::LoadOdd(df, p);
 }
 
 template <class IsFull>

@@ -24,22 +24,35 @@ HWY_BEFORE_NAMESPACE();
 namespace fusednorm::cpu {
 namespace HWY_NAMESPACE {
 
-// Two consecutive vectors (2 * lanes elements) at p: one combined store where the type
-// provides it (bf16), else two.
-template <typename T, NaNPayloads kNaNs>
+// The pair of vectors holding the 2 * lanes elements at i, taken apart as kLayout says
+// (element_io-inl.h), and its store / non-temporal store at p: one combined store where
+// the type provides it (bf16), else two.
+template <PairLayout kLayout, class MakeFn>
+HWY_INLINE auto MakePair(const MakeFn& make, int64_t i, int64_t lanes) {
+  if constexpr (kLayout == PairLayout::kParity) {
+    return std::make_pair(make(EvenOfPair(), i, lanes), make(OddOfPair(), i, lanes));
+  } else {
+    return std::make_pair(make(Full(), i, lanes), make(Full(), i + lanes, lanes));
+  }
+}
+template <typename T, NaNPayloads kNaNs, PairLayout kLayout>
 void StorePair(DF df, VF first, VF second, T* p) {
   using IO = ElementIO<T, kNaNs>;
-  if constexpr (std::is_same_v<T, hwy::bfloat16_t> && HWY_TARGET != HWY_SCALAR) {
+  if constexpr (kLayout == PairLayout::kParity) {
+    IO::StoreParity(df, first, second, p);
+  } else if constexpr (std::is_same_v<T, hwy::bfloat16_t> && HWY_TARGET != HWY_SCALAR) {
     IO::StorePair(df, first, second, p);
   } else {
     IO::Store(df, first, p);
     IO::Store(df, second, p + hn::Lanes(df));
   }
 }
-template <typename T, NaNPayloads kNaNs>
+template <typename T, NaNPayloads kNaNs, PairLayout kLayout>
 void StreamPair(DF df, VF first, VF second, T* aligned) {
   using IO = ElementIO<T, kNaNs>;
-  if constexpr (std::is_same_v<T, hwy::bfloat16_t> && HWY_TARGET != HWY_SCALAR) {
+  if constexpr (kLayout == PairLayout::kParity) {
+    IO::StreamParity(df, first, second, aligned);
+  } else if constexpr (std::is_same_v<T, hwy::bfloat16_t> && HWY_TARGET != HWY_SCALAR) {
     IO::StreamPair(df, first, second, aligned);
   } else {
     IO::Stream(df, first, aligned);
@@ -47,8 +60,20 @@ void StreamPair(DF df, VF first, VF second, T* aligned) {
   }
 }
 
+// The layout of an output loop whose rows are T and whose other inputs are W and B (void:
+// none): parity where all of them are bf16 (and the target has more than one lane).
+template <typename T, typename W = void, typename B = void>
+constexpr PairLayout kPairLayout = std::is_same_v<T, hwy::bfloat16_t>&& HWY_TARGET != HWY_SCALAR &&
+                                           (std::is_void_v<W> ||
+                                            std::is_same_v<W, T>)&&(std::is_void_v<B> ||
+                                                                    std::is_same_v<B, T>)
+                                       ? PairLayout::kParity
+                                       : PairLayout::kHalves;
+
 // Writes n elements of each of kRows output rows, one vector at a time: row k's
-// [i, i + count) = make(full, i, count)[k]; kNaNs: what is known of their NaNs. All rows must share
+// [i, i + count) = make(full, i, count)[k]; kNaNs: what is known of their NaNs. Whole pairs
+// of vectors are made in kLayout (full = EvenOfPair / OddOfPair for kParity: make must then
+// read every tensor through LoadElements, whose element order follows the tag). All rows must share
 // their address modulo 64 (consecutive rows of a matrix whose row pitch is a multiple of 64 bytes
 // do). kStream: outputs too large for the caches go out with non-temporal stores, which skip
 // reading each line before overwriting it (as memcpy does); the first elements go through
@@ -58,7 +83,8 @@ void StreamPair(DF df, VF first, VF second, T* aligned) {
 // alias anything, so captured references would be reloaded from memory after every store
 // (the streamed fp16 forward write pass, 16384 x 4096 on one thread, took 10.0 ms instead
 // of 6.9 ms).
-template <typename T, bool kStream, NaNPayloads kNaNs, size_t kRows, class MakeFn>
+template <typename T, bool kStream, NaNPayloads kNaNs, size_t kRows, class MakeFn,
+          PairLayout kLayout = PairLayout::kHalves>
 void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) {
   using IO = ElementIO<T, kNaNs>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
@@ -71,9 +97,9 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
     const int64_t lanes = N;
     int64_t i = begin;
     for (; i + 2 * lanes <= end; i += 2 * lanes) {
-      const auto first = make_here(Full(), i, lanes), second = make_here(Full(), i + lanes, lanes);
+      const auto [first, second] = MakePair<kLayout>(make_here, i, lanes);
       for (size_t k = 0; k < kRows; ++k) {
-        StorePair<T, kNaNs>(df, first[k], second[k], out_here[k] + i);
+        StorePair<T, kNaNs, kLayout>(df, first[k], second[k], out_here[k] + i);
       }
     }
     for (; i + lanes <= end; i += lanes) {
@@ -106,9 +132,9 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
         store_range(0, first_line);
         int64_t i = first_line;
         for (; i + 2 * N <= last_line; i += 2 * N) {
-          const auto first = make(Full(), i, N), second = make(Full(), i + N, N);
+          const auto [first, second] = MakePair<kLayout>(make, i, N);
           for (size_t k = 0; k < kRows; ++k) {
-            StreamPair<T, kNaNs>(df, first[k], second[k], out[k] + i);
+            StreamPair<T, kNaNs, kLayout>(df, first[k], second[k], out[k] + i);
           }
         }
         for (; i < last_line; i += N) {
@@ -126,11 +152,12 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
 }
 
 // One output row: out[i, i + count) = make(full, i, count).
-template <typename T, bool kStream, NaNPayloads kNaNs, class MakeFn>
+template <typename T, bool kStream, NaNPayloads kNaNs, PairLayout kLayout, class MakeFn>
 void WriteRow(DF df, T* out, int64_t n, MakeFn make) {
-  WriteRows<T, kStream, kNaNs, 1>(df, {out}, n, [=](auto full, int64_t i, size_t count) {
+  auto make_one = [=](auto full, int64_t i, size_t count) {
     return std::array<VF, 1>{make(full, i, count)};
-  });
+  };
+  WriteRows<T, kStream, kNaNs, 1, decltype(make_one), kLayout>(df, {out}, n, make_one);
 }
 
 template <typename T>
@@ -242,20 +269,21 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
   const VF vrstd = hn::Set(df, NarrowNaN(rstd));
   const VF voffset = hn::Set(df, w_offset);  // finite (validated)
   constexpr NaNPayloads kNaNs = kOutputNaNs<T, W, B>;
-  WriteRow<T, kStream, kNaNs>(df, y, n, [=](auto full, int64_t i, size_t count) {
-    VF out = LoadElements(full, df, x + i, count);
-    if constexpr (kCentered) out = hn::Sub(out, vmean);
-    out = hn::Mul(out, vrstd);
-    if constexpr (!std::is_void_v<W>) {
-      // LayerNorm has no weight offset: no add (which would also stop the compiler from
-      // folding the weight's load into the multiply).
-      VF wv = LoadParam<W>(full, df, w, i, count);
-      if constexpr (!kCentered) wv = hn::Add(wv, voffset);
-      out = hn::Mul(out, wv);
-    }
-    if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, df, b, i, count));
-    return out;
-  });
+  WriteRow<T, kStream, kNaNs, kPairLayout<T, W, B>>(
+      df, y, n, [=](auto full, int64_t i, size_t count) {
+        VF out = LoadElements(full, df, x + i, count);
+        if constexpr (kCentered) out = hn::Sub(out, vmean);
+        out = hn::Mul(out, vrstd);
+        if constexpr (!std::is_void_v<W>) {
+          // LayerNorm has no weight offset: no add (which would also stop the compiler from
+          // folding the weight's load into the multiply).
+          VF wv = LoadParam<W>(full, df, w, i, count);
+          if constexpr (!kCentered) wv = hn::Add(wv, voffset);
+          out = hn::Mul(out, wv);
+        }
+        if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, df, b, i, count));
+        return out;
+      });
 }
 
 // RMSNorm of rows.rows short rows, kGroup at a time: the sums of squares of a group first
@@ -288,7 +316,7 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
   const VF voffset = hn::Set(df, rows.w_offset);
   const void* w = rows.w;
   constexpr NaNPayloads kNaNs = kOutputNaNs<T, W>;  // rstd is computed from the rows here
-  WriteRows<T, false, kNaNs, kGroup>(df, out, n, [=](auto full, int64_t i, size_t count) {
+  auto make = [=](auto full, int64_t i, size_t count) {
     VF wv = hn::Zero(df);
     if constexpr (!std::is_void_v<W>) wv = hn::Add(LoadParam<W>(full, df, w, i, count), voffset);
     std::array<VF, kGroup> result;
@@ -297,7 +325,8 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
       if constexpr (!std::is_void_v<W>) result[k] = hn::Mul(result[k], wv);
     }
     return result;
-  });
+  };
+  WriteRows<T, false, kNaNs, kGroup, decltype(make), kPairLayout<T, W>>(df, out, n, make);
 }
 
 template <typename T, bool kResidual, typename W>
