@@ -215,7 +215,8 @@ struct ForwardCall {
     return k.sum_squares[1](advance(x_row(r), begin, esize), n, mean);
   }
   void normalize(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd) const {
-    const auto fn = k.normalize[stream][centered][weight_type][bias_type];
+    const auto fn =
+        k.normalize[stream][centered][weight_type][bias_type][offset_slot(weight_offset)];
     fn(advance(source_row(r), begin, esize), param_at(p.weight, begin), param_at(p.bias, begin),
        advance(y_row(r), begin, esize), n, mean, rstd, weight_offset);
   }
@@ -341,7 +342,8 @@ bool use_short_rows(const ForwardCall& call) {
 }
 void forward_short_rows(const ForwardCall& call, int threads) {
   const ForwardProblem& p = call.p;
-  const RmsRowsFn fn = call.k.rms_rows[p.has_residual()][call.weight_type];
+  const RmsRowsFn fn =
+      call.k.rms_rows[p.has_residual()][call.weight_type][offset_slot(call.weight_offset)];
   const std::size_t row_bytes = static_cast<std::size_t>(p.cols()) * call.esize;
   const bool staged = p.y.row_stride == p.cols() && row_bytes <= kStagingBytes &&
                       large_output(p.rows(), p.cols(), p.x.dtype);

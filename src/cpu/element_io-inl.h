@@ -136,7 +136,11 @@ struct ElementIO<hwy::bfloat16_t, kNaNs> {
   static void Stream(DF df, VF v, hwy::bfloat16_t* aligned) {
     StreamDemoted(DB(), Demote(df, v), aligned);
   }
-  static VF RoundTrip(DF df, VF v) { return hn::PromoteTo(df, Demote(df, v)); }
+  // The value a store keeps, as fp32: the rounded upper half (the bits Demote stores).
+  static VF RoundTrip(DF df, VF v) {
+    const hn::RebindToUnsigned<DF> du;
+    return hn::BitCast(df, hn::And(RoundedBits(df, v), hn::Set(du, 0xffff0000u)));
+  }
 
 #if HWY_TARGET != HWY_SCALAR
   // Two vectors at once: the upper halves of both go into one full-width vector with a

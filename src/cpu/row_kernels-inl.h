@@ -210,13 +210,29 @@ float SumSquares(const void* x, int64_t n, float center) {
 }
 
 // residual <- round(x + residual) over one row; returns the sum of squares of the rounded
-// residual. Shared by the one-row kernel and RmsRows, as SumSquaresOfRow is.
+// residual. Shared by the one-row kernel and RmsRows, as SumSquaresOfRow is. bf16 rows go
+// pairwise in the parity layout (the same sums, added in another fixed order): callgrind,
+// AVX2, fused_add_rms_norm 16 x 4096 bf16: AddResidual 8.72 M -> 5.90 M instructions.
 template <typename T>
 HWY_INLINE float AddResidualOfRow(DF df, const T* x, T* residual, int64_t n) {
   using IO = ElementIO<T, NaNPayloads::kNarrow>;  // sums of two T
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   VF acc = hn::Zero(df);
   int64_t i = 0;
+  if constexpr (kPairLayout<T> == PairLayout::kParity) {
+    VF acc_odd = hn::Zero(df);
+    for (; i + 2 * N <= n; i += 2 * N) {
+      const VF even = hn::Add(LoadElements(EvenOfPair(), df, x + i, 0),
+                              LoadElements(EvenOfPair(), df, residual + i, 0));
+      const VF odd = hn::Add(LoadElements(OddOfPair(), df, x + i, 0),
+                             LoadElements(OddOfPair(), df, residual + i, 0));
+      IO::StoreParity(df, even, odd, residual + i);
+      const VF stored_even = IO::RoundTrip(df, even), stored_odd = IO::RoundTrip(df, odd);
+      acc = hn::MulAdd(stored_even, stored_even, acc);
+      acc_odd = hn::MulAdd(stored_odd, stored_odd, acc_odd);
+    }
+    acc = hn::Add(acc, acc_odd);
+  }
   for (; i + N <= n; i += N) {
     const VF sum = hn::Add(IO::Load(df, x + i), IO::Load(df, residual + i));
     IO::Store(df, sum, residual + i);
@@ -259,7 +275,7 @@ constexpr NaNPayloads kOutputNaNs = (kNarrowParam<T, W> && kNarrowParam<T, B>)
 // caller's sums, which may carry any payload.)
 inline float NarrowNaN(float v) { return v == v ? v : std::numeric_limits<float>::quiet_NaN(); }
 
-template <typename T, bool kStream, bool kCentered, typename W, typename B>
+template <typename T, bool kStream, bool kCentered, typename W, typename B, bool kOffset>
 void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int64_t n, float mean,
                float rstd, float w_offset) {
   const DF df;
@@ -275,10 +291,10 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
         if constexpr (kCentered) out = hn::Sub(out, vmean);
         out = hn::Mul(out, vrstd);
         if constexpr (!std::is_void_v<W>) {
-          // LayerNorm has no weight offset: no add (which would also stop the compiler from
-          // folding the weight's load into the multiply).
+          // Without an offset (LayerNorm's weights, most RMSNorm ones) no add, which also lets
+          // the compiler fold the weight's load into the multiply.
           VF wv = LoadParam<W>(full, df, w, i, count);
-          if constexpr (!kCentered) wv = hn::Add(wv, voffset);
+          if constexpr (kOffset) wv = hn::Add(wv, voffset);
           out = hn::Mul(out, wv);
         }
         if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, df, b, i, count));
@@ -289,7 +305,7 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
 // RMSNorm of rows.rows short rows, kGroup at a time: the sums of squares of a group first
 // (independent chains that overlap), then the group's outputs, each weight vector loaded
 // once for the group. Rows that do not fill a group run through kGroup = 1, the same code.
-template <typename T, bool kResidual, typename W, size_t kGroup>
+template <typename T, bool kResidual, typename W, bool kOffset, size_t kGroup>
 void RmsRowGroup(const RmsRows& rows, int64_t first) {
   const DF df;
   const int64_t n = rows.n;
@@ -318,7 +334,8 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
   constexpr NaNPayloads kNaNs = kOutputNaNs<T, W>;  // rstd is computed from the rows here
   auto make = [=](auto full, int64_t i, size_t count) {
     VF wv = hn::Zero(df);
-    if constexpr (!std::is_void_v<W>) wv = hn::Add(LoadParam<W>(full, df, w, i, count), voffset);
+    if constexpr (!std::is_void_v<W>) wv = LoadParam<W>(full, df, w, i, count);
+    if constexpr (kOffset) wv = hn::Add(wv, voffset);
     std::array<VF, kGroup> result;
     for (size_t k = 0; k < kGroup; ++k) {
       result[k] = hn::Mul(LoadElements(full, df, source[k] + i, count), vrstd[k]);
@@ -329,14 +346,14 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
   WriteRows<T, false, kNaNs, kGroup, decltype(make), kPairLayout<T, W>>(df, out, n, make);
 }
 
-template <typename T, bool kResidual, typename W>
+template <typename T, bool kResidual, typename W, bool kOffset>
 void RmsRowsKernel(const RmsRows& rows) {
   constexpr size_t kGroup = 4;
   int64_t r = 0;
   for (; r + static_cast<int64_t>(kGroup) <= rows.rows; r += kGroup) {
-    RmsRowGroup<T, kResidual, W, kGroup>(rows, r);
+    RmsRowGroup<T, kResidual, W, kOffset, kGroup>(rows, r);
   }
-  for (; r < rows.rows; ++r) RmsRowGroup<T, kResidual, W, 1>(rows, r);
+  for (; r < rows.rows; ++r) RmsRowGroup<T, kResidual, W, kOffset, 1>(rows, r);
 }
 
 template <typename T, bool kCentered, bool kWeight>
@@ -451,32 +468,38 @@ constexpr std::array<int, 2> kParamSlots =
         ? std::array<int, 2>{kFloat32Param, std::is_same_v<T, float> ? kElementParam : -1}
         : std::array<int, 2>{kElementParam, -1};
 
+// Offset slot 1 adds the weight offset only where there is one to add to: RMSNorm's weight.
 template <typename T, bool kStream, bool kCentered, typename W, typename B>
-void SetNormalize(NormalizeFn (&table)[3][3]) {
+void SetNormalize(NormalizeFn (&table)[3][3][2]) {
+  constexpr bool kOffset = !kCentered && !std::is_void_v<W>;
   for (const int pw : kParamSlots<T, W>) {
     for (const int pb : kParamSlots<T, B>) {
-      if (pw >= 0 && pb >= 0) table[pw][pb] = &Normalize<T, kStream, kCentered, W, B>;
+      if (pw < 0 || pb < 0) continue;
+      table[pw][pb][0] = &Normalize<T, kStream, kCentered, W, B, false>;
+      table[pw][pb][1] = &Normalize<T, kStream, kCentered, W, B, kOffset>;
     }
   }
 }
 
 // Every weight type with bias type B.
 template <typename T, bool kStream, bool kCentered, typename B>
-void SetNormalizeWeights(NormalizeFn (&table)[3][3]) {
+void SetNormalizeWeights(NormalizeFn (&table)[3][3][2]) {
   SetNormalize<T, kStream, kCentered, void, B>(table);
   SetNormalize<T, kStream, kCentered, float, B>(table);
   if constexpr (!std::is_same_v<T, float>) SetNormalize<T, kStream, kCentered, T, B>(table);
 }
 
 template <typename T, bool kResidual, typename W>
-void SetRmsRows(RmsRowsFn (&table)[3]) {
+void SetRmsRows(RmsRowsFn (&table)[3][2]) {
   for (const int pw : kParamSlots<T, W>) {
-    if (pw >= 0) table[pw] = &RmsRowsKernel<T, kResidual, W>;
+    if (pw < 0) continue;
+    table[pw][0] = &RmsRowsKernel<T, kResidual, W, false>;
+    table[pw][1] = &RmsRowsKernel<T, kResidual, W, !std::is_void_v<W>>;
   }
 }
 
 template <typename T, bool kResidual>
-void SetRmsRowsWeights(RmsRowsFn (&table)[3]) {
+void SetRmsRowsWeights(RmsRowsFn (&table)[3][2]) {
   SetRmsRows<T, kResidual, void>(table);
   SetRmsRows<T, kResidual, float>(table);
   if constexpr (!std::is_same_v<T, float>) SetRmsRows<T, kResidual, T>(table);

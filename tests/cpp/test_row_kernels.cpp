@@ -72,14 +72,19 @@ TEST(RowKernels, EveryTargetIsListedAndComplete) {
       EXPECT_NE(k.sum_squares[1], nullptr);
       EXPECT_NE(k.add_residual, nullptr);
       for (int residual = 0; residual < 2; ++residual) {
-        for (int w = 0; w < 3; ++w) EXPECT_NE(k.rms_rows[residual][w], nullptr);
+        for (int w = 0; w < 3; ++w) {
+          for (int o = 0; o < 2; ++o) EXPECT_NE(k.rms_rows[residual][w][o], nullptr);
+        }
       }
       for (int s = 0; s < 2; ++s) {
         for (int c = 0; c < 2; ++c) {
           for (int w = 0; w < 3; ++w) {
             for (int b = 0; b < 3; ++b) {
               // RMSNorm has no bias.
-              EXPECT_EQ(k.normalize[s][c][w][b] != nullptr, c == 1 || b == 0) << s << c << w << b;
+              for (int o = 0; o < 2; ++o) {
+                EXPECT_EQ(k.normalize[s][c][w][b][o] != nullptr, c == 1 || b == 0)
+                    << s << c << w << b << o;
+              }
             }
           }
         }
@@ -217,9 +222,10 @@ TEST_P(RowKernelTest, NormalizeIsExactAfterRounding) {
                              << mode.offset << ", centered " << c << ", weight type " << w_type
                              << ", bias type " << b_type << ", weight offset " << offset);
                 Buffer y(dtype(), 1, n, n, kGuard + mode.offset);
-                k.normalize[mode.stream][c][w_type][b_type](
+                const float kernel_offset = cpu::kernel_weight_offset(offset);
+                k.normalize[mode.stream][c][w_type][b_type][cpu::offset_slot(kernel_offset)](
                     x.data(), w.data(w_type), b.data(b_type), y.data(), n, c ? mean : 0.0f, rstd,
-                    cpu::kernel_weight_offset(offset));
+                    kernel_offset);
                 ASSERT_TRUE(y.check_written("y"));
                 const bool has_w = w_type != cpu::kNoParam, has_b = b_type != cpu::kNoParam;
                 for (std::int64_t j = 0; j < n; ++j) {
@@ -279,7 +285,7 @@ TEST_P(RowKernelTest, RmsRowsMatchTheOneRowKernels) {
                   stride + 1,        y.data(),      stride + 2,
                   w.data(w_type),    kernel_offset, eps,
                   rstd.float_data(), rows,          n};
-              k.rms_rows[fused][w_type](block);
+              k.rms_rows[fused][w_type][cpu::offset_slot(kernel_offset)](block);
               ASSERT_TRUE(y.check_written("y"));
               ASSERT_TRUE(rstd.check_written("rstd"));
               if (fused) {
@@ -300,9 +306,9 @@ TEST_P(RowKernelTest, RmsRowsMatchTheOneRowKernels) {
                 const float want_rstd =
                     cpu::rstd_from_mean_square(sum / static_cast<float>(n), eps);
                 ASSERT_EQ(rstd.at(r), want_rstd) << "rstd of row " << r;
-                k.normalize[0][0][w_type][0](fused ? row(want_residual) : row(x), w.data(w_type),
-                                             nullptr, want_y.data(), n, 0.0f, want_rstd,
-                                             kernel_offset);
+                k.normalize[0][0][w_type][0][cpu::offset_slot(kernel_offset)](
+                    fused ? row(want_residual) : row(x), w.data(w_type), nullptr, want_y.data(), n,
+                    0.0f, want_rstd, kernel_offset);
                 for (std::int64_t j = 0; j < n; ++j) {
                   ASSERT_EQ(y.bits(r, j), want_y.bits(0, j)) << "row " << r << ", element " << j;
                   if (fused) {
@@ -472,7 +478,7 @@ TEST_P(RowKernelTest, InfAndNanSurviveLoadAndStore) {
           }
           EXPECT_FALSE(std::isfinite(k.sum_squares[0](x.data(), n, 0.0f)));
           Buffer y = Buffer::vector_of(dtype(), n);
-          k.normalize[0][0][0][0](x.data(), nullptr, nullptr, y.data(), n, 0.0f, 2.0f, -0.0f);
+          k.normalize[0][0][0][0][0](x.data(), nullptr, nullptr, y.data(), n, 0.0f, 2.0f, -0.0f);
           EXPECT_TRUE(y.check_written("y"));
           for (std::int64_t j = 0; j < n; ++j) {
             if (j != at) {
@@ -488,7 +494,7 @@ TEST_P(RowKernelTest, InfAndNanSurviveLoadAndStore) {
             const double big = dtype() == DType::kFloat16 ? 60000.0 : 3e38;
             Buffer b = Buffer::vector_of(dtype(), n);
             b.fill([&](std::int64_t, std::int64_t) { return big; });
-            k.normalize[1][0][0][0](b.data(), nullptr, nullptr, y.data(), n, 0.0f, 4.0f, -0.0f);
+            k.normalize[1][0][0][0][0](b.data(), nullptr, nullptr, y.data(), n, 0.0f, 4.0f, -0.0f);
             EXPECT_EQ(y.at(at), kInf) << "overflowing store";
           }
         }
@@ -528,16 +534,19 @@ TEST_P(RowKernelTest, WideNaNPayloadsStayNaN) {
       for (int stream = 0; stream < 2; ++stream) {
         SCOPED_TRACE(::testing::Message() << t.name << ", n " << n << ", stream " << stream);
         Buffer y = Buffer::vector_of(dtype(), n);
-        k.normalize[stream][0][cpu::kFloat32Param][cpu::kNoParam](x.data(), wide.data(), nullptr,
-                                                                  y.data(), n, 0.0f, 2.0f, -0.0f);
-        expect_nan_at(y, at, "RMSNorm, fp32 weight");
-        k.normalize[stream][1][cpu::kNoParam][cpu::kFloat32Param](x.data(), nullptr, wide.data(),
-                                                                  y.data(), n, 0.25f, 2.0f, 0.0f);
+        for (const float offset : {-0.0f, 1.0f}) {
+          k.normalize[stream][0][cpu::kFloat32Param][cpu::kNoParam][cpu::offset_slot(offset)](
+              x.data(), wide.data(), nullptr, y.data(), n, 0.0f, 2.0f, offset);
+          expect_nan_at(y, at,
+                        offset == 0.0f ? "RMSNorm, fp32 weight" : "RMSNorm, fp32 weight + 1");
+        }
+        k.normalize[stream][1][cpu::kNoParam][cpu::kFloat32Param][0](
+            x.data(), nullptr, wide.data(), y.data(), n, 0.25f, 2.0f, 0.0f);
         expect_nan_at(y, at, "LayerNorm, fp32 bias");
-        k.normalize[stream][0][cpu::kElementParam][cpu::kNoParam](
+        k.normalize[stream][0][cpu::kElementParam][cpu::kNoParam][0](
             x.data(), ones.data(), nullptr, y.data(), n, 0.0f, wide_nan, -0.0f);
         expect_nan_at(y, -1, "RMSNorm, rstd from the caller's sums");
-        k.normalize[stream][1][cpu::kElementParam][cpu::kElementParam](
+        k.normalize[stream][1][cpu::kElementParam][cpu::kElementParam][0](
             x.data(), ones.data(), ones.data(), y.data(), n, wide_nan, 2.0f, 0.0f);
         expect_nan_at(y, -1, "LayerNorm, mean from the caller's sums");
         Buffer dx = Buffer::vector_of(dtype(), n), dw = Buffer::floats(n);
@@ -553,7 +562,7 @@ TEST_P(RowKernelTest, WideNaNPayloadsStayNaN) {
         xs.fill([](std::int64_t, std::int64_t) { return 1.5; });
         cpu::RmsRows block{xs.data(),   n,     nullptr, n,       ys.data(), n,
                            wide.data(), -0.0f, 1e-6f,   nullptr, rows,      n};
-        k.rms_rows[0][cpu::kFloat32Param](block);
+        k.rms_rows[0][cpu::kFloat32Param][cpu::offset_slot(block.w_offset)](block);
         for (std::int64_t r = 0; r < rows; ++r) {
           for (std::int64_t j = 0; j < n; ++j) {
             EXPECT_EQ(std::isnan(ys.at(r, j)), j == at) << "short rows: row " << r << ", " << j;
