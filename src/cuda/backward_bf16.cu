@@ -3,3 +3,7 @@
 
 template cudaError_t fusednorm::cuda::launch_backward<__nv_bfloat16>(const LaunchPlan&, const BackwardArgs&,
                                                           const BackwardOutputs&, cudaStream_t);
+template cudaError_t fusednorm::cuda::backward_resident_ctas<__nv_bfloat16>(const LaunchPlan&,
+                                                                            PlannedKernel,
+                                                                            const BackwardArgs&,
+                                                                            int, int&);

@@ -3,3 +3,7 @@
 
 template cudaError_t fusednorm::cuda::launch_backward<__half>(const LaunchPlan&, const BackwardArgs&,
                                                           const BackwardOutputs&, cudaStream_t);
+template cudaError_t fusednorm::cuda::backward_resident_ctas<__half>(const LaunchPlan&,
+                                                                     PlannedKernel,
+                                                                     const BackwardArgs&, int,
+                                                                     int&);

@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "cuda/kernel_args.h"
 #include "cuda/launch_plan.h"
@@ -33,10 +34,14 @@ void check(const char* op, const char* what, cudaError_t err) {
   if (err != cudaSuccess) throw_cuda(op, what, err);
 }
 
-// Device attributes, read once per device (cudaDeviceGetAttribute does not synchronise).
-DeviceInfo device_info(const char* op) {
+int current_device(const char* op) {
   int device = 0;
   check(op, "cudaGetDevice", cudaGetDevice(&device));
+  return device;
+}
+
+// Device attributes, read once per device (cudaDeviceGetAttribute does not synchronise).
+DeviceInfo device_info(const char* op, int device) {
   static std::mutex mutex;
   static std::map<int, DeviceInfo> cache;
   std::lock_guard<std::mutex> lock(mutex);
@@ -56,6 +61,24 @@ DeviceInfo device_info(const char* op) {
   cache.emplace(device, info);
   return info;
 }
+
+// The planner's occupancy question (ResidentCtas) answered by the runtime for the kernel the
+// launcher picks: query(plan, kernel, count) is a launchers.h *_resident_ctas call for the
+// call's dtype and variant (cached there per kernel, block size, shared memory and device).
+template <typename Query>
+class RuntimeResidentCtas final : public ResidentCtas {
+ public:
+  RuntimeResidentCtas(const char* op, Query query) : op_(op), query_(std::move(query)) {}
+  int per_sm(const LaunchPlan& plan, PlannedKernel kernel) const override {
+    int count = 0;
+    check(op_, "cudaOccupancyMaxActiveBlocksPerMultiprocessor", query_(plan, kernel, count));
+    return count;
+  }
+
+ private:
+  const char* op_;
+  Query query_;
+};
 
 template <typename T>
 struct TypeTag {
@@ -162,7 +185,15 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
   }
   PlanOptions options = plan_options();
   options.two_pass_only = p.phase != detail::Phase::kWhole;
-  const LaunchPlan plan = plan_forward(shape, device_info(op), options);
+  const int device = current_device(op);
+  const RuntimeResidentCtas resident(op, [&](const LaunchPlan& plan, PlannedKernel, int& count) {
+    return dispatch_dtype(p.x.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      return p.is_quantized() ? forward_quant_resident_ctas<T>(plan, a, device, count)
+                              : forward_resident_ctas<T>(plan, a, device, count);
+    });
+  });
+  const LaunchPlan plan = plan_forward(shape, device_info(op, device), resident, options);
   check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {
           using T = typename decltype(tag)::type;
           return p.is_quantized() ? launch_forward_quant<T>(plan, a, s) : launch_forward<T>(plan, a, s);
@@ -238,7 +269,14 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
       accumulate ? (p.weight.data != nullptr ? 1 : 0) + (p.kind == NormKind::kLayer ? 1 : 0) : 0;
   PlanOptions options = plan_options();
   options.two_pass_only = p.phase != detail::Phase::kWhole;
-  const LaunchPlan plan = plan_backward(shape, device_info(op), options);
+  const int device = current_device(op);
+  const RuntimeResidentCtas resident(op, [&](const LaunchPlan& plan, PlannedKernel kernel,
+                                             int& count) {
+    return dispatch_dtype(p.x.dtype, [&](auto tag) {
+      return backward_resident_ctas<typename decltype(tag)::type>(plan, kernel, a, device, count);
+    });
+  });
+  const LaunchPlan plan = plan_backward(shape, device_info(op, device), resident, options);
   const BackwardOutputs out = {p.dw.data, out_dtype(p.dw.dtype), p.db.data, out_dtype(p.db.dtype)};
 
   check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {

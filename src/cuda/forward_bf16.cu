@@ -2,3 +2,6 @@
 #include "cuda/norm_launch.cuh"
 
 template cudaError_t fusednorm::cuda::launch_forward<__nv_bfloat16>(const LaunchPlan&, const ForwardArgs&, cudaStream_t);
+template cudaError_t fusednorm::cuda::forward_resident_ctas<__nv_bfloat16>(const LaunchPlan&,
+                                                                           const ForwardArgs&, int,
+                                                                           int&);

@@ -5,3 +5,6 @@
 template cudaError_t fusednorm::cuda::launch_forward_quant<__nv_bfloat16>(const LaunchPlan&,
                                                                           const ForwardArgs&,
                                                                           cudaStream_t);
+template cudaError_t fusednorm::cuda::forward_quant_resident_ctas<__nv_bfloat16>(const LaunchPlan&,
+                                                                                 const ForwardArgs&,
+                                                                                 int, int&);

@@ -5,3 +5,6 @@
 template cudaError_t fusednorm::cuda::launch_forward_quant<__half>(const LaunchPlan&,
                                                                    const ForwardArgs&,
                                                                    cudaStream_t);
+template cudaError_t fusednorm::cuda::forward_quant_resident_ctas<__half>(const LaunchPlan&,
+                                                                          const ForwardArgs&, int,
+                                                                          int&);

@@ -4,3 +4,6 @@
 
 template cudaError_t fusednorm::cuda::launch_forward_quant<float>(const LaunchPlan&,
                                                                   const ForwardArgs&, cudaStream_t);
+template cudaError_t fusednorm::cuda::forward_quant_resident_ctas<float>(const LaunchPlan&,
+                                                                         const ForwardArgs&, int,
+                                                                         int&);

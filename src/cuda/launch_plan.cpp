@@ -54,11 +54,12 @@ int finish_lanes_for(std::int64_t slots) {
 // (kSmemRow), else a thread-block cluster of 2, 4 or 8 CTAs each staging a slice
 // (kClusterRow, sm_90); bytes_for(slice_vecs) is a CTA's dynamic shared memory. Fills the
 // plan's kind, cluster_size, slice_vecs, smem_bytes, team and grid (whole clusters, at most
-// max_clusters, at most the CTAs that fit on the device at once); false when even a cluster
+// max_clusters, at most the CTAs resident on the device at once); false when even a cluster
 // of 8 cannot hold the row. Clusters start at min_cluster CTAs.
 template <typename BytesFor>
-bool plan_staged(std::int64_t nvec, std::int64_t max_clusters, const DeviceInfo& d, BytesFor bytes_for,
-                 LaunchPlan& plan, int min_cluster = 1) {
+bool plan_staged(std::int64_t nvec, std::int64_t max_clusters, const DeviceInfo& d,
+                 const ResidentCtas& resident, BytesFor bytes_for, LaunchPlan& plan,
+                 int min_cluster = 1) {
   const std::int64_t budget = d.max_smem_per_block - kStaticSmemReserve;
   const int max_cluster = d.cluster_launch && d.cc_major >= 9 ? kMaxClusterSize : 1;
   for (int cs = min_cluster; cs <= max_cluster; cs *= 2) {
@@ -71,9 +72,9 @@ bool plan_staged(std::int64_t nvec, std::int64_t max_clusters, const DeviceInfo&
     plan.smem_bytes = bytes;
     plan.team_threads = kMaxThreadsPerCta;
     plan.threads_per_cta = kMaxThreadsPerCta;
-    const std::int64_t per_sm = std::max<std::int64_t>(
-        1, std::min<std::int64_t>(d.max_threads_per_sm / kMaxThreadsPerCta,
-                                  d.max_smem_per_sm / (bytes + kStaticSmemReserve)));
+    // Whole clusters of the CTAs resident at once (the hardware places a cluster within one
+    // GPC, so fewer may fit: cudaOccupancyMaxActiveClusters would say; not asked yet).
+    const std::int64_t per_sm = std::max(1, resident.per_sm(plan, PlannedKernel::kRows));
     const std::int64_t clusters = std::min(max_clusters, std::max<std::int64_t>(1, d.sm_count * per_sm / cs));
     plan.grid = clusters * cs;
     return true;
@@ -100,6 +101,21 @@ const char* kernel_kind_name(KernelKind kind) {
     case KernelKind::kTwoPass: return "two_pass";
   }
   return "invalid";
+}
+
+int ModeledResidentCtas::per_sm(const LaunchPlan& plan, PlannedKernel kernel) const {
+  // A kTwoPass backward's row kernel is its coefficient kernel (coef_threads); threads_per_cta
+  // is then the tile kernel's.
+  const int threads = kernel == PlannedKernel::kTile ? plan.threads_per_cta
+                      : plan.coef_threads > 0        ? plan.coef_threads
+                                                     : plan.threads_per_cta;
+  const std::int64_t smem =
+      (kernel == PlannedKernel::kTile ? 0 : plan.smem_bytes) + kStaticSmemReserve;
+  const std::int64_t warp_threads = ceil_div(threads, 32) * 32;
+  const std::int64_t registers = ceil_div(registers_per_thread_, 8) * 8 * warp_threads;
+  return static_cast<int>(
+      std::min({std::int64_t{kMaxCtasPerSm}, device_.max_threads_per_sm / warp_threads,
+                device_.max_smem_per_sm / smem, kRegistersPerSm / registers}));
 }
 
 bool can_vectorize(int elem_bytes, std::int64_t cols, std::initializer_list<const void*> pointers,
@@ -139,6 +155,15 @@ std::size_t backward_workspace_bytes_for(std::int64_t rows, std::int64_t cols) {
 }
 
 LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d, const PlanOptions& options) {
+  return plan_forward(s, d, ModeledResidentCtas(d), options);
+}
+
+LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanOptions& options) {
+  return plan_backward(s, d, ModeledResidentCtas(d), options);
+}
+
+LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d, const ResidentCtas& resident,
+                        const PlanOptions& options) {
   LaunchPlan plan;
   plan.vec = s.vector_aligned ? full_vector(s.elem_bytes) : 1;
   const std::int64_t nvec = ceil_div(s.cols, plan.vec);
@@ -152,7 +177,7 @@ LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d, const PlanOp
     plan.rows_per_cta = whole_warps(fit.team, std::min<std::int64_t>(rows, fit.team < 256 ? 256 / fit.team : 1));
     plan.threads_per_cta = plan.team_threads * plan.rows_per_cta;
     const std::int64_t groups = ceil_div(rows, plan.rows_per_cta);
-    const std::int64_t per_sm = std::max(1, d.max_threads_per_sm / plan.threads_per_cta);
+    const std::int64_t per_sm = std::max(1, resident.per_sm(plan, PlannedKernel::kRows));
     plan.grid = clamp_grid(std::min(groups, d.sm_count * per_sm));
     return plan;
   }
@@ -161,17 +186,19 @@ LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d, const PlanOp
   // per row, the row staged in shared memory so that x is read from device memory once.
   const auto row_bytes = [&](std::int64_t slice) { return slice * plan.vec * s.elem_bytes; };
   if (options.staged_rows && !options.two_pass_only &&
-      plan_staged(nvec, std::min(rows, kMaxGrid / kMaxClusterSize), d, row_bytes, plan)) {
+      plan_staged(nvec, std::min(rows, kMaxGrid / kMaxClusterSize), d, resident, row_bytes, plan)) {
     return plan;
   }
   plan.kind = KernelKind::kTwoPass;
   plan.team_threads = kTwoPassThreads;
   plan.threads_per_cta = kTwoPassThreads;
-  plan.grid = clamp_grid(std::min<std::int64_t>(rows, d.sm_count * std::max(1, d.max_threads_per_sm / kTwoPassThreads)));
+  plan.grid = clamp_grid(std::min<std::int64_t>(
+      rows, d.sm_count * std::max(1, resident.per_sm(plan, PlannedKernel::kRows))));
   return plan;
 }
 
-LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanOptions& options) {
+LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const ResidentCtas& resident,
+                         const PlanOptions& options) {
   LaunchPlan plan;
   plan.vec = s.vector_aligned ? full_vector(s.elem_bytes) : 1;
   const std::int64_t nvec = ceil_div(s.cols, plan.vec);
@@ -193,7 +220,8 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanO
     plan.threads_per_cta = plan.team_threads * plan.rows_per_cta;
     plan.smem_bytes = plan.rows_per_cta > 1 ? plan.rows_per_cta * row_floats * 4 : 0;
     const std::int64_t groups = ceil_div(rows, plan.rows_per_cta);
-    const std::int64_t per_sm = std::max(1, kBackwardThreadsPerSm / plan.threads_per_cta);
+    const std::int64_t per_sm = std::max(1, std::min(kBackwardThreadsPerSm / plan.threads_per_cta,
+                                                     resident.per_sm(plan, PlannedKernel::kRows)));
     plan.grid = clamp_grid(std::min({groups, d.sm_count * per_sm, slot_limit}));
     plan.partial_slots = plan.grid;
     plan.finish_lanes = finish_lanes_for(plan.partial_slots);
@@ -214,8 +242,8 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanO
     return std::max<std::int64_t>(16, s.accumulators * staged_backward_smem(slice, plan.vec, s.elem_bytes).acc_bytes);
   };
   if (options.staged_rows && !options.two_pass_only) {
-    const bool staged = plan_staged(nvec, slot_limit, d, stage_bytes, plan);
-    if (staged || plan_staged(nvec, slot_limit, d, sums_bytes, plan, kMaxClusterSize)) {
+    const bool staged = plan_staged(nvec, slot_limit, d, resident, stage_bytes, plan);
+    if (staged || plan_staged(nvec, slot_limit, d, resident, sums_bytes, plan, kMaxClusterSize)) {
       plan.staged_inputs = staged;
       plan.partial_slots = plan.grid / plan.cluster_size;
       plan.finish_lanes = finish_lanes_for(plan.partial_slots);
@@ -229,10 +257,14 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanO
   plan.kind = KernelKind::kTwoPass;
   plan.coef_threads = kTwoPassThreads;
   plan.team_threads = kTwoPassThreads;
-  plan.grid = clamp_grid(std::min<std::int64_t>(rows, d.sm_count * std::max(1, d.max_threads_per_sm / kTwoPassThreads)));
   plan.threads_per_cta = kTileThreads;
+  plan.smem_bytes = 0;
+  plan.cluster_size = 1;
+  plan.grid = clamp_grid(std::min<std::int64_t>(
+      rows, d.sm_count * std::max(1, resident.per_sm(plan, PlannedKernel::kRows))));
   plan.col_tiles = std::min(ceil_div(nvec, kTileThreads), kMaxGrid);
-  const std::int64_t tiles_wanted = d.sm_count * std::max(1, d.max_threads_per_sm / kTileThreads);
+  const std::int64_t tiles_wanted =
+      d.sm_count * std::max(1, resident.per_sm(plan, PlannedKernel::kTile));
   plan.row_blocks = std::max<std::int64_t>(
       1, std::min(ceil_div(tiles_wanted, plan.col_tiles), slot_limit));
   plan.rows_per_block = ceil_div(rows, plan.row_blocks);

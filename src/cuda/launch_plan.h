@@ -129,6 +129,49 @@ struct PlanOptions {
   bool two_pass_only = false;
 };
 
+// The kernel of a plan an occupancy question is about: the row kernel (every kind; for a
+// kTwoPass backward, the per-row coefficient kernel) or the kTwoPass backward's column-tile
+// kernel (LaunchPlan::threads_per_cta threads, no dynamic shared memory).
+enum class PlannedKernel : std::uint8_t { kRows, kTile };
+
+// How many CTAs of a plan's kernel are resident on one SM at once, at the plan's threads per
+// CTA and dynamic shared memory (0: not even one fits). Registers per thread decide it as
+// much as threads and shared memory do (a 256-thread CTA at 118 registers fits twice per SM,
+// not 8 times), and only the compiled kernel knows them: the backend answers with the CUDA
+// runtime's occupancy calculator for the kernel its launcher picks for the plan
+// (cuda_backend.cu). The planner asks once the plan's kernel shape is fixed, and sizes the
+// persistent grids, the dw / db partial-slot counts and the two-pass row blocks with the
+// answer. Workspace sizes do not depend on it (max_partial_slots bounds every plan).
+class ResidentCtas {
+ public:
+  virtual int per_sm(const LaunchPlan& plan, PlannedKernel kernel) const = 0;
+
+ protected:
+  ~ResidentCtas() = default;
+};
+
+// A model for unit tests and tools without a device: the device's limits on threads, shared
+// memory (dynamic + kStaticSmemReserve) and registers per SM (registers_per_thread rounded
+// up to 8, as the hardware allocates them), and at most 32 CTAs per SM. At 32 registers per
+// thread it is the thread-and-shared-memory count the planner used before it asked the
+// runtime.
+class ModeledResidentCtas final : public ResidentCtas {
+ public:
+  explicit ModeledResidentCtas(const DeviceInfo& device, int registers_per_thread = 32)
+      : device_(device), registers_per_thread_(registers_per_thread) {}
+  int per_sm(const LaunchPlan& plan, PlannedKernel kernel) const override;
+
+ private:
+  DeviceInfo device_;
+  int registers_per_thread_;
+};
+
+LaunchPlan plan_forward(const ProblemShape& shape, const DeviceInfo& device,
+                        const ResidentCtas& resident, const PlanOptions& options = {});
+LaunchPlan plan_backward(const ProblemShape& shape, const DeviceInfo& device,
+                         const ResidentCtas& resident, const PlanOptions& options = {});
+// With ModeledResidentCtas(device) (32 registers per thread): for tests and tools only; the
+// backend plans with the runtime's answer.
 LaunchPlan plan_forward(const ProblemShape& shape, const DeviceInfo& device, const PlanOptions& options = {});
 LaunchPlan plan_backward(const ProblemShape& shape, const DeviceInfo& device, const PlanOptions& options = {});
 
@@ -162,10 +205,11 @@ inline constexpr int kFinishThreads =
 // double per thread, kStaticSmemReserve bytes at this size.
 inline constexpr int kFloat64Threads = 128;
 // Registers per SM (sm_80, sm_90): a CTA of n threads launches only when each thread needs
-// at most kRegistersPerSm / n registers. tests/cuda/check_sass.py checks every compiled kernel
-// against the largest CTA the planner gives its family (kMaxThreadsPerCta: 128 registers).
-// The persistent grids count the CTAs resident per SM by threads alone, which holds only at
-// 32 registers (2048 threads); the kernels use 32-118 (src/cuda/NOTES.md).
+// at most kRegistersPerSm / n registers. That is the one thing the planner assumes about
+// registers: tests/cuda/check_sass.py checks every compiled kernel against the largest CTA the
+// planner gives its family (kMaxThreadsPerCta: 128 registers). How many CTAs are resident
+// per SM below that bound is the runtime's answer (ResidentCtas), not an assumption.
 inline constexpr int kRegistersPerSm = 65536;
+inline constexpr int kMaxCtasPerSm = 32;  // sm_80 and sm_90
 
 }  // namespace fusednorm::cuda

@@ -1,7 +1,10 @@
 // Host launchers: one per direction, templated on the element type. Each owns the launch
 // shape (from the LaunchPlan), picks the kernel instantiation for the call's variant, and
-// returns the launch's cudaError_t. They are instantiated once per dtype in
-// forward_<dtype>.cu / backward_<dtype>.cu; the runtime dtype becomes T in cuda_backend.cu.
+// returns the launch's cudaError_t. Beside each, the planner's occupancy question for the
+// kernel that launcher would pick (*_resident_ctas: CTAs resident per SM on `device`, from
+// the runtime's occupancy calculator, cached; see ResidentCtas in launch_plan.h). They are
+// instantiated once per dtype in forward_<dtype>.cu / backward_<dtype>.cu; the runtime dtype
+// becomes T in cuda_backend.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,11 +18,17 @@ namespace fusednorm::cuda {
 
 template <typename T>
 cudaError_t launch_forward(const LaunchPlan& plan, const ForwardArgs& args, cudaStream_t stream);
+template <typename T>
+cudaError_t forward_resident_ctas(const LaunchPlan& plan, const ForwardArgs& args, int device,
+                                  int& count);
 
 // The quantized RMSNorm forward: args.quant.q replaces args.y.
 template <typename T>
 cudaError_t launch_forward_quant(const LaunchPlan& plan, const ForwardArgs& args,
                                  cudaStream_t stream);
+template <typename T>
+cudaError_t forward_quant_resident_ctas(const LaunchPlan& plan, const ForwardArgs& args, int device,
+                                        int& count);
 
 // Where the finished dw / db go (nullable), in their own dtypes.
 struct BackwardOutputs {
@@ -36,6 +45,9 @@ cudaError_t launch_finish(const LaunchPlan& plan, const float* partial, std::int
 template <typename T>
 cudaError_t launch_backward(const LaunchPlan& plan, const BackwardArgs& args,
                             const BackwardOutputs& out, cudaStream_t stream);
+template <typename T>
+cudaError_t backward_resident_ctas(const LaunchPlan& plan, PlannedKernel kernel,
+                                   const BackwardArgs& args, int device, int& count);
 
 // float64 (norm_f64.cu): the one-call operators only. row_stats: 2 doubles per row of
 // device scratch (the workspace's coefficient region), needed when dw or db is wanted.

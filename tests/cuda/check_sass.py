@@ -12,7 +12,13 @@ kernel of every architecture compiled in, it asserts:
     stores q, 1 byte per element, with the same vector width: 128-bit loads, 64-bit stores
     (STG.E.64) for 16-bit dtypes, and no byte stores (STG.E.U8 / .S8) in either;
   - registers per thread within what the launch planner's CTAs of that kernel allow
-    (kRegistersPerSm / the most threads per CTA it launches the family with, launch_plan.h).
+    (kRegistersPerSm / the most threads per CTA it launches the family with, launch_plan.h):
+    the largest CTA must launch at all. That is the one register assumption the planner
+    makes; how many CTAs are resident per SM below it is the CUDA runtime's answer for the
+    launched kernel (cudaOccupancyMaxActiveBlocksPerMultiprocessor, ResidentCtas in
+    launch_plan.h), with which the persistent grids are sized. The summary prints, per family,
+    the CTAs of its largest size resident per SM at its most registers, for the record: more
+    registers cost resident CTAs (a longer grid), not correctness.
 A failure names the kernel (demangled) and the architecture. cuobjdump and nvdisasm come
 from PyPI (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm); scripts/setup_sass_tools.sh
 installs them.
@@ -71,8 +77,16 @@ def planner_budgets(header):
     for family, threads_name in FAMILIES.items():
         threads = constant(threads_name)
         budgets[family] = (min(MAX_REGISTERS, per_sm // threads),
-                           f"kRegistersPerSm / {threads_name} = {per_sm} / {threads}")
+                           f"kRegistersPerSm / {threads_name} = {per_sm} / {threads}", threads)
     return budgets
+
+
+def resident_ctas(regs, threads, per_sm=65536, max_threads=2048, max_ctas=32):
+    """CTAs of `threads` resident per SM at `regs` per thread (allocated per warp in units of
+    8 per thread), by registers and threads only: what the occupancy calculator says for a
+    kernel without dynamic shared memory."""
+    warp_threads = (threads + 31) // 32 * 32
+    return min(max_ctas, max_threads // warp_threads, per_sm // ((regs + 7) // 8 * 8 * warp_threads))
 
 
 def split_template_args(args):
@@ -211,7 +225,7 @@ def main():
         if spills or k.stack or k.local:
             failures.append(f"{k.name()}: local memory (register spills?): {len(spills)} LDL/STL, "
                             f"STACK:{k.stack} LOCAL:{k.local}")
-        budget, why = budgets[k.family]
+        budget, why, _ = budgets[k.family]
         if k.regs > budget:
             failures.append(f"{k.name()}: {k.regs} registers per thread; the planner's CTAs of this kernel "
                             f"launch only at <= {budget} ({why}, {args.planner})")
@@ -243,9 +257,12 @@ def main():
                         what = ", quantized" if quantized else ""
                         failures.append(f"{family}<{dtype}, full vector{what}> [{arch}]: not found, so not checked")
 
-    print(f"check_sass: {len(kernels)} kernels in {', '.join(archs)}; most registers per thread by family:")
+    print(f"check_sass: {len(kernels)} kernels in {', '.join(archs)}; most registers per thread by family, "
+          "and the CTAs of the family's largest size resident per SM at that count:")
     for (arch, family), regs in sorted(most_regs.items()):
-        print(f"  {arch} {family:32s} {regs:4d} (launches at <= {budgets[family][0]})")
+        budget, threads = budgets[family][0], budgets[family][2]
+        print(f"  {arch} {family:32s} {regs:4d} (launches at <= {budget}; "
+              f"{resident_ctas(regs, threads)} x {threads} threads per SM)")
     for f in failures:
         print("FAIL: " + f)
     print(f"check_sass: {len(kernels)} kernels checked, {len(failures)} failures")

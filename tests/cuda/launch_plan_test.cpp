@@ -291,6 +291,130 @@ TEST(LaunchPlan, InvariantsOverSweep) {
   }
 }
 
+// A ResidentCtas that answers the same count for every kernel, and records the questions.
+class FixedResidentCtas final : public ResidentCtas {
+ public:
+  explicit FixedResidentCtas(int count) : count_(count) {}
+  int per_sm(const LaunchPlan& plan, PlannedKernel kernel) const override {
+    asked.push_back({plan.threads_per_cta, plan.smem_bytes, kernel});
+    return count_;
+  }
+  struct Question {
+    int threads;
+    std::int64_t smem;
+    PlannedKernel kernel;
+  };
+  mutable std::vector<Question> asked;
+
+ private:
+  int count_;
+};
+
+// The persistent grids hold the CTAs the occupancy answer says are resident, not the count
+// threads alone allow: a 256-thread CTA at 118 registers is 2 per SM, not 8.
+TEST(LaunchPlan, PersistentGridsAreSizedByTheResidentCtas) {
+  const ProblemShape s = shape(1 << 20, 4096, 2);  // bf16 register rows, 256 threads
+  const LaunchPlan by_threads = plan_forward(s, kH200);
+  ASSERT_EQ(by_threads.kind, KernelKind::kRegisterRow);
+  ASSERT_EQ(by_threads.threads_per_cta, 256);
+  EXPECT_EQ(by_threads.grid, kH200.sm_count * 8);
+  const LaunchPlan at_118 = plan_forward(s, kH200, ModeledResidentCtas(kH200, 118));
+  EXPECT_EQ(at_118.grid, kH200.sm_count * 2);
+  // The query is about the planned kernel's shape.
+  const FixedResidentCtas three(3);
+  EXPECT_EQ(plan_forward(s, kH200, three).grid, kH200.sm_count * 3);
+  ASSERT_FALSE(three.asked.empty());
+  EXPECT_EQ(three.asked.back().threads, 256);
+  EXPECT_EQ(three.asked.back().kernel, PlannedKernel::kRows);
+  // 0 (the kernel does not fit): still a grid the launch can report the failure for.
+  EXPECT_EQ(plan_forward(s, kH200, FixedResidentCtas(0)).grid, kH200.sm_count);
+
+  // Backward register rows: min(1024 threads per SM, the resident CTAs), one slot per CTA.
+  const ProblemShape b = shape(1 << 20, 4096, 2, true, 1);
+  const LaunchPlan b_threads = plan_backward(b, kH200);
+  ASSERT_EQ(b_threads.threads_per_cta, 512);  // 2 rows of 256 threads
+  EXPECT_EQ(b_threads.grid, kH200.sm_count * 2);
+  const LaunchPlan b1 = plan_backward(b, kH200, FixedResidentCtas(1));
+  EXPECT_EQ(b1.grid, kH200.sm_count);
+  EXPECT_EQ(b1.partial_slots, b1.grid);
+  EXPECT_EQ(b1.finish_lanes, 32);  // 132 slots / 8 per lane, rounded up to a power of two
+
+  // Staged rows: one 192 KB CTA per SM by shared memory; the answer decides.
+  const FixedResidentCtas one(1);
+  const LaunchPlan staged = plan_backward(shape(4096, 16384, 4, true, 1), kH200, one);
+  EXPECT_EQ(staged.kind, KernelKind::kSmemRow);
+  EXPECT_EQ(one.asked.back().smem, staged.smem_bytes);
+  EXPECT_EQ(staged.grid, kH200.sm_count);
+
+  // Two-pass backward: the coefficient kernel's grid and the tile kernel's row blocks.
+  PlanOptions two_pass;
+  two_pass.two_pass_only = true;
+  const FixedResidentCtas two(2);
+  const LaunchPlan tp = plan_backward(shape(1 << 16, 4096, 2, true, 1), kH200, two, two_pass);
+  EXPECT_EQ(tp.grid, kH200.sm_count * 2);
+  ASSERT_EQ(two.asked.size(), 2u);
+  EXPECT_EQ(two.asked[0].kernel, PlannedKernel::kRows);
+  EXPECT_EQ(two.asked[1].kernel, PlannedKernel::kTile);
+  EXPECT_EQ(tp.row_blocks, (kH200.sm_count * 2 + tp.col_tiles - 1) / tp.col_tiles);
+}
+
+// The modeled count: threads, shared memory, registers (rounded up to 8 per thread) and 32
+// CTAs per SM, whichever binds first.
+TEST(LaunchPlan, ModeledResidentCtas) {
+  LaunchPlan p;
+  p.threads_per_cta = 256;
+  EXPECT_EQ(ModeledResidentCtas(kH200).per_sm(p, PlannedKernel::kRows), 8);
+  EXPECT_EQ(ModeledResidentCtas(kH200, 118).per_sm(p, PlannedKernel::kRows),
+            2);  // 120 x 256 x 2 <= 65536
+  EXPECT_EQ(ModeledResidentCtas(kH200, 128).per_sm(p, PlannedKernel::kRows), 2);
+  p.threads_per_cta = 512;
+  EXPECT_EQ(ModeledResidentCtas(kH200, 128).per_sm(p, PlannedKernel::kRows), 1);
+  EXPECT_EQ(ModeledResidentCtas(kH200, 129).per_sm(p, PlannedKernel::kRows), 0);
+  p.threads_per_cta = 32;
+  EXPECT_EQ(ModeledResidentCtas(kH200).per_sm(p, PlannedKernel::kRows), kMaxCtasPerSm);
+  p.threads_per_cta = 512;
+  p.smem_bytes = 100 * 1024;
+  EXPECT_EQ(ModeledResidentCtas(kH200).per_sm(p, PlannedKernel::kRows), 2);
+  EXPECT_EQ(ModeledResidentCtas(kA100).per_sm(p, PlannedKernel::kRows), 1);
+  // kTwoPass backward: the row kernel is the coefficient kernel.
+  p.smem_bytes = 0;
+  p.coef_threads = 512;
+  p.threads_per_cta = 256;
+  EXPECT_EQ(ModeledResidentCtas(kH200, 128).per_sm(p, PlannedKernel::kRows), 1);
+  EXPECT_EQ(ModeledResidentCtas(kH200, 128).per_sm(p, PlannedKernel::kTile), 2);
+}
+
+// Whatever the occupancy answer, a backward plan's partial slots fit the workspace that
+// backward_workspace_bytes (max_partial_slots) sized without asking: a caller that sizes the
+// workspace with the query and then launches is never short.
+TEST(LaunchPlan, PartialSlotsFitTheWorkspaceAtAnyOccupancy) {
+  for (const int count : {0, 1, 2, 3, 7, 16, 32}) {
+    for (const DeviceInfo& dev : {kH200, kA100}) {
+      for (const std::int64_t rows :
+           {std::int64_t{1}, std::int64_t{37}, std::int64_t{4096}, std::int64_t{1} << 24}) {
+        for (const std::int64_t cols :
+             {std::int64_t{1}, std::int64_t{1024}, std::int64_t{16384}, std::int64_t{262144}}) {
+          for (const int acc : {1, 2}) {
+            for (const bool two_pass_only : {false, true}) {
+              SCOPED_TRACE(testing::Message()
+                           << "count " << count << " rows " << rows << " cols " << cols << " acc "
+                           << acc << " two_pass_only " << two_pass_only);
+              PlanOptions options;
+              options.two_pass_only = two_pass_only;
+              const LaunchPlan b = plan_backward(shape(rows, cols, 2, true, acc), dev,
+                                                 FixedResidentCtas(count), options);
+              EXPECT_GE(b.partial_slots, 1);
+              EXPECT_LE(b.partial_slots, max_partial_slots(rows, cols));
+              EXPECT_GE(b.grid, 1);
+              EXPECT_EQ(b.grid % b.cluster_size, 0);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // The two-phase (column-sliced) calls run the two-pass kernels' passes separately, whatever
 // the shape; their partial slots stay within the workspace bound.
 TEST(LaunchPlan, TwoPassOnlyForcesTheTwoPassKernels) {

@@ -67,6 +67,29 @@ int sm_count() {
   return n > 0 ? n : 4;
 }
 
+// Registers: the emulation cannot know what ptxas gives a kernel, so every kernel is taken to
+// use FUSEDNORM_EMU_REGISTERS per thread (default 32, at which threads alone bound an SM;
+// 128, the most the SASS checks allow, gives the fewest CTAs per SM the planner can meet:
+// 1 of 512 threads, 2 of 256). The occupancy query answers with it and launches that need
+// more than an SM's registers fail, as on hardware.
+constexpr int kRegistersPerSm = 65536;
+constexpr int kMaxCtasPerSm = 32;
+constexpr int kSmemReservedPerCta = 1024;  // what sm_80 / sm_90 reserve per CTA
+
+int registers_per_thread() {
+  static const int registers = [] {
+    const char* env = std::getenv("FUSEDNORM_EMU_REGISTERS");
+    const int n = env != nullptr ? std::atoi(env) : 0;
+    return n > 0 ? std::min(n, 255) : 32;
+  }();
+  return registers;
+}
+
+// Registers of one CTA, allocated per warp in units of 8 per thread.
+long long cta_registers(unsigned long long threads) {
+  return static_cast<long long>((threads + 31) / 32 * 32) * ((registers_per_thread() + 7) / 8 * 8);
+}
+
 [[noreturn]] void fatal(const char* format, ...);
 
 // ---- Schedules ---------------------------------------------------------------------------
@@ -722,10 +745,31 @@ cudaError_t set_max_dynamic_smem(const void* kernel, int bytes) {
   return cudaSuccess;
 }
 
+cudaError_t resident_ctas(const void* kernel, int threads, std::size_t smem, int* count) {
+  if (count == nullptr || threads <= 0) return fail(cudaErrorInvalidValue);
+  std::size_t smem_limit = kDefaultDynamicSmem;
+  {
+    std::lock_guard<std::mutex> lock(attribute_mutex);
+    const auto it = max_dynamic_smem.find(kernel);
+    if (it != max_dynamic_smem.end()) smem_limit = static_cast<std::size_t>(it->second);
+  }
+  if (threads > kMaxThreadsPerCta || smem > smem_limit) {
+    *count = 0;  // as the runtime: a CTA that cannot launch is 0 resident, not an error
+    return cudaSuccess;
+  }
+  const long long warp_threads = (threads + 31) / 32 * 32;
+  const long long by_smem = kSmemPerSm / static_cast<long long>(smem + kSmemReservedPerCta);
+  *count = static_cast<int>(
+      std::min({static_cast<long long>(kMaxCtasPerSm), kMaxThreadsPerSm / warp_threads, by_smem,
+                kRegistersPerSm / cta_registers(threads)}));
+  return cudaSuccess;
+}
+
 cudaError_t launch(const void* kernel, const cudaLaunchConfig_t& config, std::function<void()> body) {
   const dim3 g = config.gridDim, b = config.blockDim;
   const unsigned long long threads = 1ull * b.x * b.y * b.z;
   if (threads == 0 || threads > kMaxThreadsPerCta || b.z > 64) return fail(cudaErrorInvalidConfiguration);
+  if (cta_registers(threads) > kRegistersPerSm) return fail(cudaErrorLaunchOutOfResources);
   if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 2147483647u || g.y > 65535 || g.z > 65535) {
     return fail(cudaErrorInvalidConfiguration);
   }
@@ -881,6 +925,8 @@ const char* cudaGetErrorName(cudaError_t err) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorLaunchOutOfResources:
+      return "cudaErrorLaunchOutOfResources";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorNotSupported: return "cudaErrorNotSupported";
     case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";

@@ -12,7 +12,10 @@
 # fusednorm_cuda_emu_tests there, and runs it under each schedule of SCHEDULES with the
 # same race-focused selection as ctest's emulated.schedule.* runs (FUSEDNORM_TEST_QUICK=1).
 # Prints a table: mutant -> killed (by which schedules) or survived. MUTANTS_BASELINE=0 skips
-# checking first that the unmutated suite passes under every schedule.
+# checking first that the unmutated suite passes under every schedule. EMU_ENV: extra
+# VAR=value settings for every run, e.g. EMU_ENV="FUSEDNORM_EMU_REGISTERS=128 FUSEDNORM_EMU_SMS=1"
+# (the low-occupancy device model of ctest's emulated.schedule.random_3; the planner mutant
+# occupancy-slots needs it: at the default model the occupancy answer is the thread count).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 work="${MUTANTS_DIR:-$root/build/mutants}"
@@ -93,6 +96,12 @@ mutant schedule-order-sum src/cuda/norm_backward.cuh \
   const int row_floats = team * kK * kVec;' \
 "the CTA's rows are added into its dw / db partial row with atomicAdd, in the order the warps arrive (not deterministic)"
 
+mutant occupancy-slots src/cuda/launch_plan.cpp \
+'    plan.partial_slots = plan.grid;' \
+'    plan.partial_slots = clamp_grid(std::min<std::int64_t>(
+        {groups, std::int64_t{d.sm_count} * std::max(1, kBackwardThreadsPerSm / plan.threads_per_cta), slot_limit}));' \
+"backward register rows: the grid from the occupancy answer, the dw / db partial slots from the thread-only count (the finishing kernel sums slots no CTA wrote)"
+
 mutant quant-amax-unreduced src/cuda/norm_forward.cuh \
 '        team_reduce<MaxOp>(amax, team, scratch);
 ' '' \
@@ -133,7 +142,7 @@ build_tests() { cmake --build "$build" --target fusednorm_cuda_emu_tests -j"$job
 
 # Runs the suite under one schedule; 0 when it passes.
 run_suite() {
-  FUSEDNORM_EMU_SCHEDULE="$1" FUSEDNORM_TEST_QUICK=1 timeout "$timeout_s" "$binary" --gtest_brief=1 \
+  env ${EMU_ENV:-} FUSEDNORM_EMU_SCHEDULE="$1" FUSEDNORM_TEST_QUICK=1 timeout "$timeout_s" "$binary" --gtest_brief=1 \
     --gtest_filter="$filter" ${fail_fast:+--gtest_fail_fast} >"$work/run.log" 2>&1
 }
 
@@ -192,7 +201,7 @@ for i in "${selected[@]}"; do
 done
 build_tests || true  # leave the scratch build unmutated
 
-printf '\n| mutant | result | killed by (%s) |\n| --- | --- | --- |\n' "${schedules[*]}"
+printf '\n| mutant | result | killed by (%s%s) |\n| --- | --- | --- |\n' "${schedules[*]}" "${EMU_ENV:+; $EMU_ENV}"
 survivors=0
 for r in "${results[@]}"; do
   IFS='|' read -r name verdict by <<<"$r"

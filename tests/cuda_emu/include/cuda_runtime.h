@@ -10,7 +10,8 @@
 // shows as a wrong result; cudaMalloc'd memory and shared memory start as 0xff bytes, so
 // reading what nothing wrote gives NaN), barrier discipline (a barrier some threads never reach is
 // a reported deadlock, not a hang), full-warp shuffles, launch limits (threads, dynamic shared
-// memory with and without the opt-in, cluster size and grid divisibility), writes past the launch's
+// memory with and without the opt-in, cluster size and grid divisibility, registers per SM at
+// the modeled registers per thread), writes past the launch's
 // dynamic shared memory, and, in sanitizer builds, out-of-bounds device memory accesses (ASan sees
 // cudaMalloc'd buffers as heap blocks). What it cannot check: timing, memory-model subtleties of
 // real hardware, nvcc's code generation. Fibers run one at a time and switch only at barriers,
@@ -119,6 +120,7 @@ enum cudaError_t {
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorLaunchOutOfResources = 701,
   cudaErrorInvalidDevice = 101,
   cudaErrorNotSupported = 801,
   cudaErrorStreamCaptureUnsupported = 900,
@@ -196,6 +198,9 @@ const char* cudaGetErrorString(cudaError_t err);
 namespace cuda_emu {
 // The opt-in dynamic shared memory limit of one kernel (cudaFuncSetAttribute).
 cudaError_t set_max_dynamic_smem(const void* kernel, int bytes);
+// CTAs of one kernel resident per SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor's model:
+// see emu_runtime.cpp; FUSEDNORM_EMU_REGISTERS sets the registers per thread it assumes).
+cudaError_t resident_ctas(const void* kernel, int threads, std::size_t smem, int* count);
 // Checks the launch, then runs (or, on a capturing stream, records) body on every thread
 // of the grid. body is called once per GPU thread with that thread's indices set.
 cudaError_t launch(const void* kernel, const cudaLaunchConfig_t& config, std::function<void()> body);
@@ -205,6 +210,12 @@ template <typename T>
 cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attr, int value) {
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
   return cuda_emu::set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), value);
+}
+
+template <typename T>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* count, T* kernel, int threads,
+                                                          std::size_t smem) {
+  return cuda_emu::resident_ctas(reinterpret_cast<const void*>(kernel), threads, smem, count);
 }
 
 template <typename... ExpTypes, typename... ActTypes>
