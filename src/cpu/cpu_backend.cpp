@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -73,11 +74,14 @@ Ptr advance(Ptr base, std::int64_t elements, std::size_t element_size) {
 // lives in the calling thread's buffer, kept between calls, so that a call allocates
 // nothing once the buffer has grown to D (it keeps D * 4 bytes per calling thread); a
 // second PreparedVector alive on the same thread gets its own storage.
+// narrow_nans: every NaN of the result becomes the default NaN (whose low 16 payload bits
+// are zero), as the backward kernels of bf16 rows require (row_kernels.h); an fp32 weight
+// is then always copied. (Only NaN payloads change; a NaN stays a NaN.)
 class PreparedVector {
  public:
-  PreparedVector(ConstVector v, float offset) {
+  PreparedVector(ConstVector v, float offset, bool narrow_nans = false) {
     if (v.data == nullptr) return;
-    if (v.dtype == DType::kFloat32 && offset == 0.0f) {
+    if (v.dtype == DType::kFloat32 && offset == 0.0f && !narrow_nans) {
       data_ = static_cast<const float*>(v.data);
       return;
     }
@@ -94,6 +98,11 @@ class PreparedVector {
                                                                         v.size, 1.0f, 0.0f);
     if (offset != 0.0f) {
       for (std::size_t j = 0; j < n; ++j) out[j] += offset;
+    }
+    if (narrow_nans) {
+      for (std::size_t j = 0; j < n; ++j) {
+        if (std::isnan(out[j])) out[j] = std::numeric_limits<float>::quiet_NaN();
+      }
     }
     data_ = out;
   }
@@ -544,7 +553,8 @@ struct BackwardCall {
       : p(problem),
         k(row_kernels().by_dtype[static_cast<int>(problem.x.dtype)]),
         esize(dtype_size(problem.x.dtype)),
-        weight(problem.weight, problem.kind == NormKind::kRms ? problem.weight_offset : 0.0f),
+        weight(problem.weight, problem.kind == NormKind::kRms ? problem.weight_offset : 0.0f,
+               problem.x.dtype == DType::kBFloat16),
         centered(problem.kind == NormKind::kLayer),
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),

@@ -403,12 +403,16 @@ void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* d
     x[k] = static_cast<const T*>(rows.x[k]);
     addend[k] = static_cast<const T*>(rows.dx_addend[k]);
     dx[k] = static_cast<T*>(rows.dx[k]);
-    vmean[k] = hn::Set(df, rows.mean[k]);
-    vrstd[k] = hn::Set(df, rows.rstd[k]);
-    vmean_g[k] = hn::Set(df, rows.mean_g[k]);
-    vmean_g_xhat[k] = hn::Set(df, rows.mean_g_xhat[k]);
+    vmean[k] = hn::Set(df, NarrowNaN(rows.mean[k]));
+    vrstd[k] = hn::Set(df, NarrowNaN(rows.rstd[k]));
+    vmean_g[k] = hn::Set(df, NarrowNaN(rows.mean_g[k]));
+    vmean_g_xhat[k] = hn::Set(df, NarrowNaN(rows.mean_g_xhat[k]));
   }
-  constexpr NaNPayloads kNaNs = NaNPayloads::kAny;  // w is fp32, whatever the caller's was
+  // Every NaN that can reach dx is narrow: dy, x and the addend are T, w's NaNs are narrow by
+  // contract (row_kernels.h), the row's statistics are made so above. So bf16's dx rounding
+  // skips the NaN test: callgrind, rms_norm_backward 16 x 4096 bf16, 1 thread:
+  // BackwardApplyRows 9.13 M -> 7.72 M instructions.
+  constexpr NaNPayloads kNaNs = NaNPayloads::kNarrow;
   WriteRows<T, kStream, kNaNs, kRows>(df, dx, n, [=](auto full, int64_t i, size_t count) {
     const VF wv = kWeight ? LoadElements(full, df, w + i, count) : hn::Zero(df);
     VF dw_sum = kDw ? LoadElements(full, df, dw_acc + i, count) : hn::Zero(df);

@@ -85,6 +85,8 @@ constexpr std::int64_t kMaxShortRow = 1024;
 using BackwardDotsFn = void (*)(const void* dy, const void* x, const float* w, std::int64_t n,
                                 float mean, float rstd, float* sum_g_xhat, float* sum_g);
 // dx = rstd * (g - mean_g - x_hat * mean_g_xhat) [+ dx_addend]; dw_acc += dy * x_hat;
+// w's NaNs, if any, must have their low 16 payload bits zero (bf16's dx rounding relies on
+// it; NaNPayloads::kNarrow in element_io-inl.h): the backend's PreparedVector sees to it.
 // db_acc += dy. The addend (the fused add's incoming residual gradient) is added in fp32
 // before dx's one rounding; it may be dx or dy itself (each element is read before it is
 // written).
