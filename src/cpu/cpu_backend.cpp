@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <limits>
 #include <memory>
 #include <vector>
 
@@ -100,9 +99,7 @@ class PreparedVector {
       for (std::size_t j = 0; j < n; ++j) out[j] += offset;
     }
     if (narrow_nans) {
-      for (std::size_t j = 0; j < n; ++j) {
-        if (std::isnan(out[j])) out[j] = std::numeric_limits<float>::quiet_NaN();
-      }
+      for (std::size_t j = 0; j < n; ++j) out[j] = NarrowNaN(out[j]);
     }
     data_ = out;
   }

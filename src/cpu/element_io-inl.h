@@ -227,7 +227,7 @@ using Partial = std::false_type;  // fewer elements than lanes: staged through a
 //            only where every tensor the loop reads is bf16: an fp32 weight would need a
 //            shuffle per vector to follow). The arithmetic is per element, so the layout
 //            changes no result, only the instructions: the bf16 RMSNorm write loop went from
-//            36 to 24 instructions per 16 elements on AVX2 (see PairLayout's users).
+//            36 to 31 instructions per 16 elements on AVX2 (docs/PERFORMANCE.md).
 enum class PairLayout { kHalves, kParity };
 struct EvenOfPair {};  // the even elements of the pair starting at the given index
 struct OddOfPair {};   // its odd elements

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 
 #include "core/scalar_convert.h"
@@ -60,13 +59,17 @@ void StreamPair(DF df, VF first, VF second, T* aligned) {
   }
 }
 
+// Whether a weight / bias of type P (void: none) next to rows of type T has the rows' type:
+// it then brings no fp32 NaN payload (kOutputNaNs) and follows the rows' pair layout.
+template <typename T, typename P>
+constexpr bool kNarrowParam = std::is_void_v<P> || std::is_same_v<P, T>;
+
 // The layout of an output loop whose rows are T and whose other inputs are W and B (void:
 // none): parity where all of them are bf16 (and the target has more than one lane).
 template <typename T, typename W = void, typename B = void>
-constexpr PairLayout kPairLayout = std::is_same_v<T, hwy::bfloat16_t>&& HWY_TARGET != HWY_SCALAR &&
-                                           (std::is_void_v<W> ||
-                                            std::is_same_v<W, T>)&&(std::is_void_v<B> ||
-                                                                    std::is_same_v<B, T>)
+constexpr PairLayout kPairLayout = (std::is_same_v<T, hwy::bfloat16_t> &&
+                                    HWY_TARGET != HWY_SCALAR && kNarrowParam<T, W> &&
+                                    kNarrowParam<T, B>)
                                        ? PairLayout::kParity
                                        : PairLayout::kHalves;
 
@@ -262,18 +265,15 @@ VF LoadParam(IsFull full, DF df, const void* p, int64_t i, size_t count) {
 }
 
 // The NaNs of an output of rows of type T with a weight / bias of type W / B (void: none):
-// narrow unless an fp32 parameter can bring an fp32 payload.
-template <typename T, typename P>
-constexpr bool kNarrowParam = std::is_void_v<P> || std::is_same_v<P, T>;
+// narrow unless an fp32 parameter can bring an fp32 payload (kNarrowParam, above).
 template <typename T, typename W, typename B = void>
 constexpr NaNPayloads kOutputNaNs = (kNarrowParam<T, W> && kNarrowParam<T, B>)
                                         ? NaNPayloads::kNarrow
                                         : NaNPayloads::kAny;
 
-// A row statistic as the kernels use it: a NaN becomes the default NaN, whose payload is
-// narrow. (Statistics computed from the row already are; the phased calls take the
-// caller's sums, which may carry any payload.)
-inline float NarrowNaN(float v) { return v == v ? v : std::numeric_limits<float>::quiet_NaN(); }
+// A row statistic as the kernels use it: NarrowNaN (row_kernels.h). (Statistics computed
+// from the row already are narrow; the phased calls take the caller's sums, which may carry
+// any payload.)
 
 template <typename T, bool kStream, bool kCentered, typename W, typename B, bool kOffset>
 void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int64_t n, float mean,

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -41,6 +42,10 @@ inline float rstd_from_mean_square(float mean_square, float eps) {
 inline float kernel_weight_offset(float weight_offset) {
   return weight_offset == 0.0f ? -0.0f : weight_offset;
 }
+// v, with a NaN made the default NaN, whose payload's low 16 bits are zero (what bf16's
+// rounding needs: NaNPayloads in element_io-inl.h).
+inline float NarrowNaN(float v) { return v == v ? v : std::numeric_limits<float>::quiet_NaN(); }
+
 // The table slot of the kernels for a weight offset from kernel_weight_offset(): [0] for none
 // (-0.0f: those kernels skip the add, an identity, and give the same bits), [1] for the
 // kernels that add it. The add cost 2 of 31 instructions per 16 bf16 elements of the
