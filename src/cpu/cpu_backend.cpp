@@ -153,6 +153,14 @@ bool stream_output(std::int64_t rows, std::int64_t cols, DType dtype) {
   if (stream_override() == nullptr && row_bytes < kMinStreamRowBytes) return false;
   return large_output(rows, cols, dtype);
 }
+// The backward's dx: streamed as stream_output says for fp32 rows only. Half-precision dx
+// rows went out faster through ordinary stores at every size measured (AVX2, see
+// docs/PERFORMANCE.md, "seventh session"). FUSEDNORM_STREAM_MIN_BYTES, when set, still
+// decides alone, so the tests keep running the streamed half kernels through this path.
+bool stream_backward_dx(std::int64_t rows, std::int64_t cols, DType dtype) {
+  if (stream_override() == nullptr && dtype != DType::kFloat32) return false;
+  return stream_output(rows, cols, dtype);
+}
 
 // Chunked reduction over columns [0, cols) of one row, in the fixed order shared with the
 // split-row path: sum over chunks of chunk_fn(chunk begin, chunk length).
@@ -555,7 +563,7 @@ struct BackwardCall {
         centered(problem.kind == NormKind::kLayer),
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),
-        stream(stream_output(problem.rows(), problem.cols(), problem.x.dtype)),
+        stream(stream_backward_dx(problem.rows(), problem.cols(), problem.x.dtype)),
         apply(k.backward_apply[stream][centered][weight.present()][want_dw][want_db]
                               [problem.has_addend()]),
         apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]
@@ -625,6 +633,40 @@ struct BackwardCall {
     c.mean_g = mean_of_sum(sum_g);
     c.mean_g_xhat = mean_of_sum(sum_g_xhat);
     return c;
+  }
+
+  // The coefficients of rows r and r + 1, each with the bits of coefficients(): both rows'
+  // dots run in one pass, chunk by chunk, each row's chunk sums added in chunk order.
+  // Measured in the seventh session (docs/PERFORMANCE.md): the dots of one row are one chain
+  // of fused multiply-adds, bound by their latency.
+  void coefficients_pair(std::int64_t r, RowCoefficients (&c)[2]) const {
+    for (int j = 0; j < 2; ++j) row_stats(r + j, &c[j].mean, &c[j].rstd);
+    if (p.phase == Phase::kFromSums) {
+      for (int j = 0; j < 2; ++j) sums_from_phase1(r + j, &c[j]);
+      return;
+    }
+    float sum_g_xhat[2] = {0.0f, 0.0f}, sum_g[2] = {0.0f, 0.0f};
+    for (std::int64_t begin = 0; begin < p.cols(); begin += kReduceChunk) {
+      float g_xhat[2], g[2];
+      BackwardDotRows<2> rows{
+          {advance(dy_row(r), begin, esize), advance(dy_row(r + 1), begin, esize)},
+          {advance(x_row(r), begin, esize), advance(x_row(r + 1), begin, esize)},
+          {c[0].mean, c[1].mean},
+          {c[0].rstd, c[1].rstd},
+          g_xhat,
+          g};
+      k.backward_dots_pair[centered][weight.present()](
+          rows, weight.present() ? weight.data() + begin : nullptr,
+          std::min(kReduceChunk, p.cols() - begin));
+      for (int j = 0; j < 2; ++j) {
+        sum_g_xhat[j] += g_xhat[j];
+        sum_g[j] += g[j];
+      }
+    }
+    for (int j = 0; j < 2; ++j) {
+      c[j].mean_g = mean_of_sum(sum_g[j]);
+      c[j].mean_g_xhat = mean_of_sum(sum_g_xhat[j]);
+    }
   }
 
   // Phase 2: the row means of g and g * x_hat from the whole row's phase-1 sums.
@@ -715,11 +757,13 @@ void backward_rows(BackwardCall& call, int threads, float* dw_partials, float* d
     std::int64_t r = b * blocks.rows_per_block;
     // Two rows at a time: the apply pass loads and stores the dw / db partials and loads
     // the weight once per pair instead of once per row. Measured at 16384 x 4096, one
-    // thread: fp32 8 to 12 % faster, fp16 and bf16 1 to 4 %. Pairing the dots pass as well
-    // (four input streams at once) made fp16 and bf16 5 to 13 % slower.
+    // thread: fp32 8 to 12 % faster, fp16 and bf16 1 to 4 %. The dots pass is paired too
+    // (coefficients_pair): two latency-bound chains side by side. (An earlier pairing was
+    // measured 5 to 13 % slower for fp16 and bf16 while their dx was still streamed.)
     if (call.pairable()) {
       for (; r + 2 <= end; r += 2) {
-        const RowCoefficients c[2] = {call.coefficients(r), call.coefficients(r + 1)};
+        RowCoefficients c[2];
+        call.coefficients_pair(r, c);
         call.apply_pair_rows(r, c, dw_acc, db_acc);
       }
     }

@@ -89,6 +89,20 @@ constexpr std::int64_t kMaxShortRow = 1024;
 // sum of g.
 using BackwardDotsFn = void (*)(const void* dy, const void* x, const float* w, std::int64_t n,
                                 float mean, float rstd, float* sum_g_xhat, float* sum_g);
+// The rows a backward_dots_pair call works on (kRows = 2; the one-row backward_dots shares
+// its implementation with kRows = 1): per row, dy / x, its mean and rstd, and where its two
+// sums go (BackwardDotsFn's).
+template <std::size_t kRows>
+struct BackwardDotRows {
+  const void* dy[kRows];
+  const void* x[kRows];
+  float mean[kRows], rstd[kRows];
+  float* sum_g_xhat;  // kRows floats
+  float* sum_g;       // kRows floats
+};
+// BackwardDotsFn of two rows with the same w and n: each row's sums have the bits of a
+// one-row call (its own accumulators, the same order).
+using BackwardDotsPairFn = void (*)(const BackwardDotRows<2>& rows, const float* w, std::int64_t n);
 // dx = rstd * (g - mean_g - x_hat * mean_g_xhat) [+ dx_addend]; dw_acc += dy * x_hat;
 // w's NaNs, if any, must have their low 16 payload bits zero (bf16's dx rounding relies on
 // it; NaNPayloads::kNarrow in element_io-inl.h): the backend's PreparedVector sees to it.
@@ -124,6 +138,7 @@ struct DTypeKernels {
   NormalizeFn normalize[2][2][3][3][2];
   RmsRowsFn rms_rows[2][3][2];         // [fused residual add][weight ParamType][offset_slot]
   BackwardDotsFn backward_dots[2][2];  // [centered][weight]
+  BackwardDotsPairFn backward_dots_pair[2][2];  // as backward_dots
   // [stream][centered][weight][dw][db][addend]; the addend variants are RMSNorm's only.
   BackwardApplyFn backward_apply[2][2][2][2][2][2];
   BackwardApplyPairFn backward_apply_pair[2][2][2][2][2][2];  // as backward_apply

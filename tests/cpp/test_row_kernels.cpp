@@ -20,6 +20,13 @@ namespace {
 using cpu::DTypeKernels;
 using cpu::TargetKernels;
 
+// The bits of a float, so that EXPECT_EQ tells +0 from -0 and compares NaNs.
+std::uint32_t bits_of(float v) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return bits;
+}
+
 constexpr std::int64_t kLengths[] = {1,  2,  3,  4,  5,  7,  8,  9,  13, 15,
                                      16, 17, 31, 33, 47, 63, 64, 65, 100};
 
@@ -92,6 +99,7 @@ TEST(RowKernels, EveryTargetIsListedAndComplete) {
       for (int c = 0; c < 2; ++c) {
         for (int w = 0; w < 2; ++w) {
           EXPECT_NE(k.backward_dots[c][w], nullptr);
+          EXPECT_NE(k.backward_dots_pair[c][w], nullptr);
           for (const int s : {0, 1}) {
             for (int dw = 0; dw < 2; ++dw) {
               for (int db = 0; db < 2; ++db) {
@@ -358,6 +366,23 @@ TEST_P(RowKernelTest, BackwardDotsAndApply) {
             EXPECT_NEAR(got_g, sum_g, sum_tolerance(n) * abs_g);
           } else {
             EXPECT_EQ(got_g, 0.0f);
+          }
+          {
+            // The pair kernel gives each row the bits of a one-row call: row 0 as above,
+            // row 1 with dy and x swapped and its own statistics.
+            const float mean1 = c ? -0.25f : 0.0f, rstd1 = 1.375f;
+            float single1_g_xhat = -1.0f, single1_g = -1.0f;
+            k.backward_dots[c][has_w](x.data(), dy.data(), has_w ? w.float_data() : nullptr, n,
+                                      mean1, rstd1, &single1_g_xhat, &single1_g);
+            float pair_g_xhat[2] = {-1.0f, -1.0f}, pair_g[2] = {-1.0f, -1.0f};
+            const cpu::BackwardDotRows<2> rows{
+                {dy.data(), x.data()}, {x.data(), dy.data()}, {c ? mean : 0.0f, mean1},
+                {rstd, rstd1},         pair_g_xhat,           pair_g};
+            k.backward_dots_pair[c][has_w](rows, has_w ? w.float_data() : nullptr, n);
+            EXPECT_EQ(bits_of(pair_g_xhat[0]), bits_of(got_g_xhat));
+            EXPECT_EQ(bits_of(pair_g[0]), bits_of(got_g));
+            EXPECT_EQ(bits_of(pair_g_xhat[1]), bits_of(single1_g_xhat));
+            EXPECT_EQ(bits_of(pair_g[1]), bits_of(single1_g));
           }
 
           for (const StoreMode mode : store_modes()) {
