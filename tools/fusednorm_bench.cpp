@@ -564,7 +564,8 @@ class Bench {
     const cpu::QuantKernels& k = cpu::quant_kernels();
     const cpu::NormalizeAmaxFn to_float =
         k.normalize_amax[static_cast<int>(o_.dtype)][cpu::kNoParam];
-    const cpu::QuantizeFn quantize = k.quantize[cpu::quant_index(q_dtype)];
+    const cpu::QuantizeFn quantize_any = k.quantize[cpu::quant_index(q_dtype)];
+    const cpu::QuantizeFn quantize_in_range = k.quantize_in_range[cpu::quant_index(q_dtype)];
     const std::size_t esize = dtype_size(o_.dtype);
     const std::int64_t rows = o_.rows, cols = o_.dim;
     std::vector<float> staging(static_cast<std::size_t>(threads_ * cols));
@@ -574,14 +575,17 @@ class Bench {
       const float static_inv = 1.0f / fixed;
 #pragma omp parallel for schedule(static) num_threads(threads_)
       for (std::int64_t row = 0; row < rows; ++row) {
-        // The row of y as fp32 (y * 1) with its amax, then quantized.
+        // The row of y as fp32 (y * 1) with its amax, then quantized (by the backend's choice
+        // of quantizer, so that the baseline gets the same shortcut).
         float* y32 = staging.data() + omp_get_thread_num() * cols;
         const unsigned char* y_row = y.bytes.data() + static_cast<std::size_t>(row * cols) * esize;
-        const float amax = to_float(y_row, nullptr, y32, cols, 1.0f, -0.0f);
+        const cpu::RowAmax amax = to_float(y_row, nullptr, y32, cols, 1.0f, -0.0f);
         float inv = static_inv;
+        cpu::QuantizeFn quantize = quantize_any;
         if (dynamic) {
-          scales[row] = detail::dynamic_quant_scale(amax, nullptr, q_dtype);
+          scales[row] = detail::dynamic_quant_scale(amax.amax, nullptr, q_dtype);
           inv = 1.0f / scales[row];
+          if (cpu::quant_in_range(amax, nullptr)) quantize = quantize_in_range;
         }
         quantize(y32, q.data() + row * cols, cols, inv);
       }

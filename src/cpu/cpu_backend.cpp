@@ -432,7 +432,8 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const std::size_t esize = dtype_size(dtype);
   const DTypeKernels& k = row_kernels().by_dtype[static_cast<int>(dtype)];
   const QuantKernels& qk = quant_kernels();
-  const QuantizeFn quantize = qk.quantize[quant_index(p.q.dtype)];
+  const QuantizeFn quantize_any = qk.quantize[quant_index(p.q.dtype)];
+  const QuantizeFn quantize_in_range = qk.quantize_in_range[quant_index(p.q.dtype)];
   const std::int64_t cols = p.cols();
   const float w_offset = kernel_weight_offset(p.weight_offset);
   // The weight as fp32 (w + w_offset), once per call (free for an fp32 weight without
@@ -480,6 +481,7 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
       return normalize_amax(advance(source, begin, esize), w, y, n, rstd, w_offset);
     };
     unsigned char* q_row = static_cast<unsigned char*>(p.q.data) + r * p.q.row_stride;
+    QuantizeFn quantize = quantize_any;
     auto quantize_piece = [&](std::int64_t begin, std::int64_t n, float inv_scale) {
       // q goes out through q_staging (streamed) kStagingBytes at a time.
       for (std::int64_t done = 0; done < n;) {
@@ -505,13 +507,17 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
     const bool one_piece = cols <= kQuantStagingFloats;
     float inv_scale = static_inv_scale;
     if (dynamic) {
-      float amax = 0.0f;
+      RowAmax row{0.0f, false};
       for (std::int64_t begin = 0; begin < cols; begin += kQuantStagingFloats) {
-        amax = std::max(amax, normalize_piece(begin, std::min(kQuantStagingFloats, cols - begin)));
+        const RowAmax piece = normalize_piece(begin, std::min(kQuantStagingFloats, cols - begin));
+        row.amax = std::max(row.amax, piece.amax);
+        row.has_nan = row.has_nan || piece.has_nan;
       }
-      const float row_scale = detail::dynamic_quant_scale(amax, scale.scale_upper_bound, p.q.dtype);
+      const float row_scale =
+          detail::dynamic_quant_scale(row.amax, scale.scale_upper_bound, p.q.dtype);
       scale.row_scales[r] = row_scale;
       inv_scale = 1.0f / row_scale;
+      if (quant_in_range(row, scale.scale_upper_bound)) quantize = quantize_in_range;
       if (one_piece) {
         quantize_piece(0, cols, inv_scale);
         return;

@@ -56,10 +56,10 @@ float MaxMagnitudeWithoutNaN(const float* y, int64_t n) {
 }
 
 // y = x * rstd [* (w + w_offset)] of n elements into y_out (fp32); returns max |y| over the
-// non-NaN values (0 if none).
+// non-NaN values (0 if none) and whether there were NaNs.
 template <typename T, typename W>
-float NormalizeAmax(const void* x_ptr, const void* w, float* y_out, int64_t n, float rstd,
-                    float w_offset) {
+RowAmax NormalizeAmax(const void* x_ptr, const void* w, float* y_out, int64_t n, float rstd,
+                      float w_offset) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
@@ -95,8 +95,8 @@ float NormalizeAmax(const void* x_ptr, const void* w, float* y_out, int64_t n, f
     acc1 = hn::Max(acc1, magnitude_bits(y));
   }
   const int32_t amax_bits = hn::GetLane(hn::MaxOfLanes(di, hn::Max(acc0, acc1)));
-  if (amax_bits > 0x7f800000) return MaxMagnitudeWithoutNaN(y_out, n);
-  return detail::bits_float(static_cast<uint32_t>(amax_bits));
+  if (amax_bits > 0x7f800000) return {MaxMagnitudeWithoutNaN(y_out, n), true};
+  return {detail::bits_float(static_cast<uint32_t>(amax_bits)), false};
 }
 
 // The quantizers turn fp32 values into one byte per i32 lane (int8 values as -128..127,
@@ -107,10 +107,15 @@ using DI = hn::RebindToSigned<DF>;
 using DU = hn::RebindToUnsigned<DF>;
 using VI = hn::Vec<DI>;
 
+// kInRange: the caller knows every v is finite with |v| <= 127 * (1 + 2^-20) (quant_kernels.h),
+// so neither the NaN select nor the clamp can change a result and both are skipped.
+template <bool kInRange>
 HWY_INLINE VI QuantizeInt8(DF df, VF v) {
   const DI di;
-  v = hn::IfThenZeroElse(hn::IsNaN(v), v);
-  v = hn::Min(hn::Max(v, hn::Set(df, -128.0f)), hn::Set(df, 127.0f));
+  if constexpr (!kInRange) {
+    v = hn::IfThenZeroElse(hn::IsNaN(v), v);
+    v = hn::Min(hn::Max(v, hn::Set(df, -128.0f)), hn::Set(df, 127.0f));
+  }
   // Adding 1.5 * 2^23 rounds |v| <= 128 to an integer, to nearest even, and leaves the sum in
   // [2^23, 2^24), where the fp32 ulp is 1: the sum's bits minus the constant's are that
   // integer. (Subtracting the constant in fp32 and converting cost five more instructions
@@ -129,14 +134,16 @@ HWY_INLINE VI QuantizeInt8(DF df, VF v) {
 // below 2^-126, which quantize to 0 anyway). 15 vector operations on AVX2: with StoreBytes4,
 // QuantizeFloats went from 3.45 (three selects, one vector per store) to 2.39 instructions
 // per element (callgrind; docs/PERFORMANCE.md, sixth session).
+// kInRange (quant_kernels.h): no NaN, and |v| <= 448 * (1 + 2^-20) < 464 rounds to at most
+// 448's code by the formula itself, so the NaN select and the clamp are skipped.
+template <bool kInRange>
 HWY_INLINE VI QuantizeE4M3(DF df, VF v) {
   const DI di;
   const DU du;
   const auto bits = hn::BitCast(di, v);
   const auto abs_bits = hn::And(bits, hn::Set(di, 0x7fffffff));
   // abs_bits < 2^31: signed comparisons and min / max are exact.
-  const auto is_nan = hn::Gt(abs_bits, hn::Set(di, 0x7f800000));
-  const auto a = hn::Min(abs_bits, hn::Set(di, 0x43e00000));  // >= 448 and Inf: 448
+  const auto a = kInRange ? abs_bits : hn::Min(abs_bits, hn::Set(di, 0x43e00000));  // >= 448: 448
   const auto b = hn::Add(hn::Max(hn::And(a, hn::Set(di, 0x7f800000)), hn::Set(di, 0x3c800000)),
                          hn::Set(di, 20 << 23));
   const auto sum = hn::BitCast(di, hn::Add(hn::BitCast(df, a), hn::BitCast(df, b)));
@@ -145,16 +152,18 @@ HWY_INLINE VI QuantizeE4M3(DF df, VF v) {
                                  hn::And(sum, hn::Set(di, 0x1f)));
   const auto sign =
       hn::BitCast(di, hn::And(hn::ShiftRight<24>(hn::BitCast(du, bits)), hn::Set(du, 0x80u)));
+  const auto code = hn::Or(sign, magnitude);
+  if constexpr (kInRange) return code;
   // NaN: the canonical 0x7f, sign dropped (quantize.h, as CUDA's conversions).
-  return hn::IfThenElse(is_nan, hn::Set(di, 0x7f), hn::Or(sign, magnitude));
+  return hn::IfThenElse(hn::Gt(abs_bits, hn::Set(di, 0x7f800000)), hn::Set(di, 0x7f), code);
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kInRange = false>
 HWY_INLINE VI Quantize(DF df, VF v) {
   if constexpr (kFp8) {
-    return QuantizeE4M3(df, v);
+    return QuantizeE4M3<kInRange>(df, v);
   } else {
-    return QuantizeInt8(df, v);
+    return QuantizeInt8<kInRange>(df, v);
   }
 }
 
@@ -198,14 +207,14 @@ HWY_INLINE void StoreBytes4(VI a, VI b, VI c, VI d, uint8_t* p) {
 #endif
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kInRange>
 void QuantizeFloats(const float* y, void* q_ptr, int64_t n, float inv_scale) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   auto* q = static_cast<uint8_t*>(q_ptr);
   const VF vinv = hn::Set(df, inv_scale);
   auto quantized = [&](int64_t i) {
-    return Quantize<kFp8>(df, hn::Mul(hn::LoadU(df, y + i), vinv));
+    return Quantize<kFp8, kInRange>(df, hn::Mul(hn::LoadU(df, y + i), vinv));
   };
   int64_t i = 0;
   for (; i + 4 * N <= n; i += 4 * N) {
@@ -217,7 +226,7 @@ void QuantizeFloats(const float* y, void* q_ptr, int64_t n, float inv_scale) {
     const auto rest = static_cast<size_t>(n - i);
     const VF v = hn::Mul(LoadElements(Partial(), df, y + i, rest), vinv);
     HWY_ALIGN uint8_t staged[HWY_MAX_BYTES / sizeof(float)];
-    StoreBytes<kFp8>(Quantize<kFp8>(df, v), staged);
+    StoreBytes<kFp8>(Quantize<kFp8, kInRange>(df, v), staged);
     std::memcpy(q + i, staged, rest);
   }
 }
@@ -295,8 +304,10 @@ void FillQuantKernels(QuantKernels* k) {
   SetNormalizeAmaxDType<float>(k, DType::kFloat32);
   SetNormalizeAmaxDType<hwy::float16_t>(k, DType::kFloat16);
   SetNormalizeAmaxDType<hwy::bfloat16_t>(k, DType::kBFloat16);
-  k->quantize[0] = &QuantizeFloats<false>;
-  k->quantize[1] = &QuantizeFloats<true>;
+  k->quantize[0] = &QuantizeFloats<false, false>;
+  k->quantize[1] = &QuantizeFloats<true, false>;
+  k->quantize_in_range[0] = &QuantizeFloats<false, true>;
+  k->quantize_in_range[1] = &QuantizeFloats<true, true>;
   k->target_name = hwy::TargetName(HWY_TARGET);
 }
 

@@ -9,6 +9,7 @@
 // (cpu_backend.cpp) owns rows, staging, scales and threads.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -16,10 +17,14 @@
 
 namespace fusednorm::cpu {
 
-// y[j] = x[j] * rstd [* (w[j] + w_offset)] (fp32) for j < n; returns max_j |y[j]| over the
-// non-NaN y (0 if none).
-using NormalizeAmaxFn = float (*)(const void* x, const void* w, float* y, std::int64_t n,
-                                  float rstd, float w_offset);
+// max |y| over the non-NaN y of a row or piece (0 if none), and whether any y was NaN.
+struct RowAmax {
+  float amax;
+  bool has_nan;
+};
+// y[j] = x[j] * rstd [* (w[j] + w_offset)] (fp32) for j < n, and their RowAmax.
+using NormalizeAmaxFn = RowAmax (*)(const void* x, const void* w, float* y, std::int64_t n,
+                                    float rstd, float w_offset);
 // Static scale: q[j] = quantize(y[j] * inv_scale) with y[j] as NormalizeAmaxFn computes it,
 // never stored; w: none or prepared (normalize_amax_prepared's), j < n.
 using NormalizeQuantizeFn = void (*)(const void* x, const void* w, void* q, std::int64_t n,
@@ -34,12 +39,26 @@ struct QuantKernels {
   // add it; w_offset is ignored. For calls of many rows: the weight is then converted once.
   NormalizeAmaxFn normalize_amax_prepared[3];
   QuantizeFn quantize[2];  // [0: int8, 1: float8 e4m3]
+  // The same bits as quantize for values that are finite with |v| <= qmax * (1 + 2^-20),
+  // which is all a dynamic scale's row gives when none of its y is NaN or Inf and the scale
+  // is not bounded by scale_ub (quant_in_range): y * (1 / (amax / qmax)) exceeds qmax by at
+  // most three fp32 roundings, and such values round to qmax. Skips the NaN and saturation
+  // work: callgrind, PERFORMANCE.md "seventh session".
+  QuantizeFn quantize_in_range[2];
   // [x DType][0: no weight, 1: prepared weight][quant_index]
   NormalizeQuantizeFn normalize_quantize[3][2][2];
   const char* target_name;
 };
 
 inline int quant_index(DType q_dtype) { return q_dtype == DType::kFloat8E4M3 ? 1 : 0; }
+
+// Whether a dynamic-scale row may go through quantize_in_range: no NaN y, a finite amax, and
+// a scale from the amax itself (a scale_ub below it would make values saturate; a scale
+// floored at min_scale only makes them smaller).
+inline bool quant_in_range(const RowAmax& row, const float* scale_upper_bound) {
+  return !row.has_nan && std::isfinite(row.amax) &&
+         (scale_upper_bound == nullptr || row.amax <= *scale_upper_bound);
+}
 
 // The kernels of the target row_kernels() runs (FUSEDNORM_CPU_TARGET honoured).
 const QuantKernels& quant_kernels();

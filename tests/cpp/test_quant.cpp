@@ -443,6 +443,10 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
     }
   };
   for (int k = -130; k <= 130; ++k) around(static_cast<float>(k) + 0.5f);
+  // The top of quantize_in_range's domain: qmax * (1 + 2^-20) and the values below it.
+  for (const float qmax : {detail::kInt8Max, detail::kFloat8E4M3Max}) {
+    for (float v = qmax; v <= qmax * (1.0 + 0x1p-20); v = std::nextafter(v, 2 * qmax)) around(v);
+  }
   for (int b = 0; b < 0x7f; ++b) {  // every E4M3 value and the midpoints above them
     const float v = detail::e4m3_to_float(static_cast<std::uint8_t>(b));
     const float next = detail::e4m3_to_float(static_cast<std::uint8_t>(b + 1));
@@ -467,15 +471,23 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
   ASSERT_FALSE(targets.empty());
   std::size_t mismatches = 0;
   auto check_block = [&](const cpu::QuantKernels& kernels, DType q_dtype) {
-    // q = quantize(v * inv_scale (1)): exactly quantize(v).
-    kernels.quantize[cpu::quant_index(q_dtype)](values.data(), got.data(),
-                                                static_cast<std::int64_t>(values.size()), 1.0f);
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      const std::uint8_t want = quantize_scalar(values[i], q_dtype);
-      if (got[i] != want && ++mismatches <= 5) {
-        ADD_FAILURE() << kernels.target_name << ", " << dtype_str(q_dtype) << ": value "
-                      << values[i] << " (bits 0x" << std::hex << detail::float_bits(values[i])
-                      << "): got 0x" << int{got[i]} << ", scalar 0x" << int{want};
+    // q = quantize(v * inv_scale (1)): exactly quantize(v). quantize_in_range is checked on
+    // the values of its domain (quant_kernels.h): finite, |v| <= qmax * (1 + 2^-20).
+    const double in_range_limit = detail::quant_max(q_dtype) * (1.0 + 0x1p-20);
+    for (const bool in_range : {false, true}) {
+      const cpu::QuantizeFn quantize = in_range
+                                           ? kernels.quantize_in_range[cpu::quant_index(q_dtype)]
+                                           : kernels.quantize[cpu::quant_index(q_dtype)];
+      quantize(values.data(), got.data(), static_cast<std::int64_t>(values.size()), 1.0f);
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        if (in_range && !(std::fabs(values[i]) <= in_range_limit)) continue;
+        const std::uint8_t want = quantize_scalar(values[i], q_dtype);
+        if (got[i] != want && ++mismatches <= 5) {
+          ADD_FAILURE() << kernels.target_name << (in_range ? " (in range)" : "") << ", "
+                        << dtype_str(q_dtype) << ": value " << values[i] << " (bits 0x" << std::hex
+                        << detail::float_bits(values[i]) << "): got 0x" << int{got[i]}
+                        << ", scalar 0x" << int{want};
+        }
       }
     }
   };
@@ -515,17 +527,18 @@ TEST(Quant, NormalizeAmaxSameBitsOnEveryTarget) {
       std::vector<float> first(cols), y(cols);
       float first_amax = 0.0f;
       for (std::size_t t = 0; t < targets.size(); ++t) {
-        const float amax = targets[t].kernels.normalize_amax[static_cast<int>(dtype)][slot](
+        const cpu::RowAmax amax = targets[t].kernels.normalize_amax[static_cast<int>(dtype)][slot](
             x.data(), w.empty() ? nullptr : w.data(), (t == 0 ? first : y).data(), cols, 0.37f,
             1.0f);
+        SCOPED_TRACE(::testing::Message() << targets[t].name << ", " << dtype_str(dtype) << ", "
+                                          << weight_kind_str(kind));
+        EXPECT_TRUE(amax.has_nan);  // x[17] is NaN
         if (t == 0) {
-          first_amax = amax;
-          EXPECT_GT(amax, 0.0f);
+          first_amax = amax.amax;
+          EXPECT_GT(amax.amax, 0.0f);
           continue;
         }
-        SCOPED_TRACE(::testing::Message() << targets[t].name << " vs " << targets[0].name << ", "
-                                          << dtype_str(dtype) << ", " << weight_kind_str(kind));
-        EXPECT_EQ(detail::float_bits(amax), detail::float_bits(first_amax));
+        EXPECT_EQ(detail::float_bits(amax.amax), detail::float_bits(first_amax));
         EXPECT_EQ(std::memcmp(y.data(), first.data(), cols * sizeof(float)), 0);
       }
     }
