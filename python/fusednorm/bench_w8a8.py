@@ -13,20 +13,27 @@ above ~1e-6 is a wrong kernel, not rounding):
   bf16_matmul       torch.matmul in bf16
   int_mm            torch._int_mm (int8 x int8 -> int32), then the two scales
   onednn_u8         torch.ops.onednn.qlinear_pointwise, activation uint8 with zero point 128
-                    (what fusednorm.quant.W8A8Linear runs), fp32 output, per-token scale after
+                    (what fusednorm.quant.W8A8Linear runs above quant.FBGEMM_MAX_TOKENS
+                    rows), fp32 output, per-token scale after
   onednn_s8         the same with the int8 activation passed as int8 (zero point 0)
   fbgemm            torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32: FBGEMM,
                     takes an fp32 activation and quantizes it per tensor inside (the per-token
-                    scale applied after), the only FBGEMM linear with an fp32 output
+                    scale applied after), the only FBGEMM linear with an fp32 output; fed
+                    q as fp32 with scale 1 and zero point 128 (exact), what W8A8Linear runs
+                    up to quant.FBGEMM_MAX_TOKENS rows
   scaled_mm_fp8     torch._scaled_mm on float8_e4m3fn (this torch's CPU path takes per-tensor
                     scales only)
 Table "norm": the quantized norm (dynamic per-token int8, with weight) against its two-step
 peers on the same [tokens, hidden] fp32/bf16 input: torch eager (torch.nn.functional.rms_norm
 then fusednorm.quant.quantize_per_token) and torch.compile of that same function (Inductor).
 Table "layer": one LlamaDecoderLayer (transformers) at fp32, bf16, and W8A8
-(fusednorm.quant.patch_hf_w8a8 on the fp32 layer: norms by rms_norm_quant, GEMMs by oneDNN).
+(fusednorm.quant.patch_hf_w8a8 on the fp32 layer: norms by rms_norm_quant, the residual add
+fused into the second, GEMMs by FBGEMM up to quant.FBGEMM_MAX_TOKENS tokens and oneDNN
+above); with --w8a8-onednn also the first W8A8 layer (oneDNN at every size, add unfused).
 
-Times are medians of --repeats calls after one warm-up, the candidates taking turns call by
+Gemm table: each candidate cycles through --weight-sets independent operand sets (default
+4: 4 x 16 MB of int8 weights exceed a 32 MB L3, as a real model's weights do). Times are
+medians of --repeats calls after one warm-up, the candidates taking turns call by
 call, on torch.get_num_threads() threads (--threads). The SIMD columns say what ran:
 torch's CPU capability (its own kernels) and fusednorm's Highway target.
 """
@@ -34,6 +41,7 @@ torch's CPU capability (its own kernels) and fusednorm's Highway target.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -59,16 +67,16 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
 
 
-def gemm_candidates(m: int, k: int, n: int, skip: set):
-    """name -> (callable, relative error) for every candidate, on shared operands."""
+def _gemm_operand_set(m: int, k: int, n: int, skip: set):
+    """One set of operands (int8 x, per-token scales, int8 weights in every layout a
+    candidate needs): name -> callable and name -> relative error for every candidate."""
     qmax_w = quant.weight_qmax()
     x_q = torch.randint(-128, 128, (m, k), dtype=torch.int8)
     token_scale = torch.rand(m, 1) * 0.01 + 1e-3
     w_q = torch.randint(-qmax_w, qmax_w + 1, (n, k), dtype=torch.int8)
     w_scale = torch.rand(n) * 0.01 + 1e-3
-    ref = (x_q.double() @ w_q.double().t()) * w_scale.double() * token_scale.double()
-    x_f, w_f = x_q.float(), w_q.float()
-    w_t = w_f.t().contiguous()
+    x_f = x_q.float()
+    w_t = w_q.float().t().contiguous()
     cands = {}
     cands["fp32_matmul"] = lambda: torch.matmul(x_f, w_t)
     if "bf16_matmul" not in skip:
@@ -89,10 +97,11 @@ def gemm_candidates(m: int, k: int, n: int, skip: set):
     # The XOR (int8 -> uint8 + 128) is timed: W8A8Linear does it per call.
     cands["onednn_u8"] = lambda: onednn(x_q.view(torch.uint8).bitwise_xor(0x80), 128)
     cands["onednn_s8"] = lambda: onednn(x_q, 0)
-    torch.backends.quantized.engine = "fbgemm"
-    fb_packed = torch.ops.quantized.linear_prepack(
-        torch._make_per_channel_quantized_tensor(w_q, w_scale.double(), zp, 0), None
-    )
+    with quant.quantized_engine("fbgemm"):
+        fb_packed = torch.ops.quantized.linear_prepack(
+            torch._make_per_channel_quantized_tensor(w_q, w_scale.double(), zp, 0), None
+        )
+    # The int8 -> fp32 expansion is timed: W8A8Linear does it per call on this path.
     cands["fbgemm"] = lambda: torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         x_q.float(), 1.0, 128, fb_packed
     ).mul_(token_scale)
@@ -102,27 +111,41 @@ def gemm_candidates(m: int, k: int, n: int, skip: set):
         cands["scaled_mm_fp8"] = lambda: torch._scaled_mm(
             x_8, w_8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
         )
+    ref = (x_q.double() @ w_q.double().t()) * w_scale.double() * token_scale.double()
     errors = {}
     for name, fn in cands.items():
         y = fn()
-        if name in ("fp32_matmul", "bf16_matmul"):
-            y = y * w_scale * token_scale
-        if name == "scaled_mm_fp8":  # fp8 of int8 values is not exact: error of the format
+        if name in ("fp32_matmul", "bf16_matmul", "scaled_mm_fp8"):  # scales not timed
             y = y * w_scale * token_scale
         errors[name] = _rel_err(y, ref)
+    return cands, errors
+
+
+def gemm_candidates(m: int, k: int, n: int, skip: set, weight_sets: int = 1):
+    """name -> (callable, relative error) for every candidate. With ``weight_sets`` > 1
+    each candidate cycles call by call through that many independent operand sets, so
+    that its weights are not all cache-resident (a 7B model's layer never fits in L3);
+    the error is that of the first set."""
+    sets = [_gemm_operand_set(m, k, n, skip) for _ in range(weight_sets)]
+    errors = sets[0][1]
+    cands = {}
+    for name in sets[0][0]:
+        fns = itertools.cycle([s[0][name] for s in sets])
+        cands[name] = lambda fns=fns: next(fns)()
     return cands, errors
 
 
 def run_gemm_table(args):
     print(f"\nINT8 GEMM candidates, [M, {args.hidden}] @ [{args.hidden}, {args.hidden}], "
           f"{torch.get_num_threads()} threads, torch CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, weight qmax {quant.weight_qmax()}")
+          f"{torch.backends.cpu.get_cpu_capability()}, weight qmax {quant.weight_qmax()}, "
+          f"{args.weight_sets} weight set(s) cycled")
     print(f"{'M':>5} {'candidate':<14} {'ms':>10} {'x fp32':>8} {'rel err':>9}")
     for m in args.tokens:
         skip = set()
         if m > args.slow_max_tokens:
             skip |= {"int_mm", "bf16_matmul", "scaled_mm_fp8"}
-        cands, errors = gemm_candidates(m, args.hidden, args.hidden, skip)
+        cands, errors = gemm_candidates(m, args.hidden, args.hidden, skip, args.weight_sets)
         times = _median_ms(cands, args.repeats)
         for name, ms in times.items():
             print(f"{m:>5} {name:<14} {ms:>10.2f} {times['fp32_matmul'] / ms:>8.2f} "
@@ -182,12 +205,16 @@ def run_layer_table(args):
     layer_fp32, rope = _decoder_layer(args.hidden, args.intermediate, args.heads)
     layer_w8a8 = copy.deepcopy(layer_fp32)
     quant.patch_hf_w8a8(layer_w8a8)
+    layer_w8a8_onednn = None
+    if args.w8a8_onednn:  # the first W8A8 layer: oneDNN at every size, residual add unfused
+        layer_w8a8_onednn = copy.deepcopy(layer_fp32)
+        quant.patch_hf_w8a8(layer_w8a8_onednn, fuse_add=False, gemm="onednn")
     layer_bf16 = copy.deepcopy(layer_fp32).to(torch.bfloat16)
     print(f"\nOne LlamaDecoderLayer (hidden {args.hidden}, intermediate {args.intermediate}, "
           f"{args.heads} heads), {torch.get_num_threads()} threads, torch CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, fusednorm SIMD target "
           f"{torch.ops.fusednorm.cpu_simd_target()}")
-    print(f"{'tokens':>6} {'layer':<6} {'ms':>10} {'x fp32':>8} {'cos vs fp32':>12}")
+    print(f"{'tokens':>6} {'layer':<19} {'ms':>10} {'x fp32':>8} {'cos vs fp32':>12}")
     for t in args.tokens:
         x = torch.randn(1, t, args.hidden)
         pos = torch.arange(t)[None]
@@ -201,6 +228,8 @@ def run_layer_table(args):
             return lambda: layer(xs, attention_mask=m, position_embeddings=pe)
 
         fns = {"fp32": call(layer_fp32, torch.float32), "w8a8": call(layer_w8a8, torch.float32)}
+        if layer_w8a8_onednn is not None:
+            fns["w8a8_onednn_unfused"] = call(layer_w8a8_onednn, torch.float32)
         if t <= args.bf16_max_tokens:
             fns["bf16"] = call(layer_bf16, torch.bfloat16)
         with torch.inference_mode():
@@ -208,9 +237,9 @@ def run_layer_table(args):
             times = _median_ms(fns, args.repeats)
         for name, ms in times.items():
             cosine = torch.nn.functional.cosine_similarity(outs[name], outs["fp32"], dim=0).item()
-            print(f"{t:>6} {name:<6} {ms:>10.2f} {times['fp32'] / ms:>8.2f} {cosine:>12.5f}")
+            print(f"{t:>6} {name:<19} {ms:>10.2f} {times['fp32'] / ms:>8.2f} {cosine:>12.5f}")
         if "bf16" not in fns:
-            print(f"{t:>6} {'bf16':<6} {'not run':>10}  (tokens > --bf16-max-tokens)")
+            print(f"{t:>6} {'bf16':<19} {'not run':>10}  (tokens > --bf16-max-tokens)")
 
 
 def main(argv=None):
@@ -223,10 +252,16 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--weight-sets", type=int, default=4,
+                   help="gemm table: independent operand sets each candidate cycles through "
+                   "(4 x 16 MB of int8 weights at hidden 4096 exceed a 32 MB L3)")
     p.add_argument("--slow-max-tokens", type=int, default=64,
                    help="largest M for the fallback GEMMs (_int_mm, bf16, fp8: seconds each)")
     p.add_argument("--bf16-max-tokens", type=int, default=1,
                    help="largest token count for the bf16 layer (a fallback GEMM on AVX2)")
+    p.add_argument("--w8a8-onednn", action="store_true",
+                   help="layer table: also the W8A8 layer with oneDNN at every size and the "
+                   "residual add unfused (patch_hf_w8a8(fuse_add=False, gemm='onednn'))")
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.norm_rows = [int(t) for t in args.norm_rows.split(",")]

@@ -130,6 +130,8 @@ class HFFusedAddRMSNorm(HFRMSNorm):
     ``forward(x, residual=r)`` returns ``(norm(x + r), x + r)`` through the functional
     ``fused_add_rms_norm(..., inplace=False)`` (fused forward and backward)."""
 
+    takes_residual = True  # what _fused_add_norm looks for
+
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return super().forward(hidden_states)
@@ -142,7 +144,12 @@ class HFFusedAddRMSNorm(HFRMSNorm):
 
 def _fused_add_decoder_forward(self, hidden_states, *args, **kwargs):
     """The decoder layer's forward with the residual add taken into the MLP's norm. Every
-    argument but hidden_states goes to self_attn, as in the original forward."""
+    argument but hidden_states goes to self_attn, as in the original forward.
+
+    ``post_attention_layernorm(attn_out, residual=layer_input)`` returns ``(norm(attn_out +
+    layer_input), attn_out + layer_input)``; it may write the sum into ``attn_out`` (dead
+    after the call) but never into ``layer_input``, which the caller may keep (the
+    collected hidden states, autograd)."""
     if args:
         bound = self._unfused_signature.bind(hidden_states, *args, **kwargs)
         bound.arguments.pop(next(iter(bound.arguments)))  # hidden_states
@@ -170,10 +177,33 @@ def _fused_layer_class(cls: type) -> type:
                     parameters=list(inspect.signature(cls.forward).parameters.values())[1:]
                 ),
                 "__doc__": f"{cls.__name__} with its post-attention residual add fused "
-                "into post_attention_layernorm (fusednorm.patch_hf).",
+                "into post_attention_layernorm (fusednorm.patch_hf, fusednorm.quant."
+                "patch_hf_w8a8).",
             },
         )
     return _FUSED_LAYER_CLASSES[cls]
+
+
+def _takes_residual(norm) -> bool:
+    return getattr(norm, "takes_residual", False)
+
+
+def _fused_add_norm(norm: nn.Module) -> nn.Module:
+    """The post_attention_layernorm that takes ``residual=`` (see _fused_add_decoder_forward)
+    in place of ``norm``: the norm itself when it already does (a class with
+    ``takes_residual = True``, e.g. fusednorm.quant.QuantizedRMSNorm), else an
+    HFFusedAddRMSNorm for the HFRMSNorm ``norm``."""
+    if _takes_residual(norm):
+        return norm
+    fused_norm = HFFusedAddRMSNorm(
+        norm.weight,
+        norm.eps,
+        weight_offset=norm.weight_offset,
+        promote_output=norm.promote_output,
+        original_class=norm.original_class,
+    )
+    fused_norm.train(norm.training)
+    return fused_norm
 
 
 def _fusable_layer(module: nn.Module) -> bool:
@@ -182,26 +212,20 @@ def _fusable_layer(module: nn.Module) -> bool:
     names = {cls.__name__ for cls in type(module).__mro__}
     return (
         bool(names & FUSED_ADD_DECODER_LAYERS)
-        and isinstance(getattr(module, "post_attention_layernorm", None), HFRMSNorm)
         and all(hasattr(module, a) for a in ("input_layernorm", "self_attn", "mlp"))
+        and (isinstance(norm := getattr(module, "post_attention_layernorm", None), HFRMSNorm)
+             or _takes_residual(norm))
     )
 
 
 def _fuse_adds(model: nn.Module) -> list[str]:
+    """Give every fusable decoder layer of ``model`` the fused-add forward (patch_hf's
+    ``fuse_add``, and fusednorm.quant.patch_hf_w8a8); returns the layers' names."""
     fused = []
     for name, module in model.named_modules():
         if not _fusable_layer(module):
             continue
-        norm = module.post_attention_layernorm
-        fused_norm = HFFusedAddRMSNorm(
-            norm.weight,
-            norm.eps,
-            weight_offset=norm.weight_offset,
-            promote_output=norm.promote_output,
-            original_class=norm.original_class,
-        )
-        fused_norm.train(norm.training)
-        module.post_attention_layernorm = fused_norm
+        module.post_attention_layernorm = _fused_add_norm(module.post_attention_layernorm)
         module.__class__ = _fused_layer_class(type(module))
         fused.append(name)
     return fused

@@ -16,22 +16,35 @@ from fusednorm import quant
 pytest.importorskip("transformers")
 
 
+# Every GEMM W8A8Linear runs: "auto" at 1 row and above FBGEMM_MAX_TOKENS rows takes each
+# library by its own rule; the single-library settings at a decode and a prefill size.
+GEMM_CASES = [
+    ("auto", (1, 1)),
+    ("auto", (2, quant.FBGEMM_MAX_TOKENS // 2 + 1)),
+    ("fbgemm", (2, 7)),
+    ("fbgemm", (1, 1)),
+    ("onednn", (2, 7)),
+    ("onednn", (1, 1)),
+]
+
+
+@pytest.mark.parametrize("gemm,rows", GEMM_CASES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemm_is_exact_on_the_int8_operands(bias):
+def test_gemm_is_exact_on_the_int8_operands(bias, gemm, rows):
     # Full-range activations (-128..127) against weights at the CPU's weight qmax: a kernel
     # that saturated int16 pair sums (vpmaddubsw with 8-bit weights on AVX2) fails here.
     linear = torch.nn.Linear(256, 96, bias=bias)
-    layer = quant.W8A8Linear.from_linear(linear)
+    layer = quant.W8A8Linear.from_linear(linear, gemm=gemm)
     w_q, w_scale = quant.quantize_weight(linear.weight)
-    q = torch.randint(-128, 128, (2, 7, 256), dtype=torch.int8)
-    q[0, 0] = 127
-    q[0, 1] = -128
-    token_scale = torch.rand(2, 7, 1) + 0.5
+    q = torch.randint(-128, 128, (*rows, 256), dtype=torch.int8)
+    q.view(-1, 256)[0, :128] = 127
+    q.view(-1, 256)[0, 128:] = -128
+    token_scale = torch.rand(*rows, 1) + 0.5
     got = layer(quant.QuantizedActivation(q, token_scale))
     expected = (q.double() @ w_q.double().t()) * w_scale.double() * token_scale.double()
     if bias:
         expected = expected + linear.bias.double()
-    assert got.shape == (2, 7, 96) and got.dtype == torch.float32
+    assert got.shape == (*rows, 96) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -94,23 +107,60 @@ def test_patch_replaces_norms_and_linears():
 def test_norm_quantizes_once_for_its_linears(monkeypatch):
     model = _tiny_llama()
     quant.patch_hf_w8a8(model)
-    calls = {"norm": 0, "per_token": 0}
+    calls = {"norm": 0, "fused_add_norm": 0, "per_token": 0}
     norm_quant, per_token = fusednorm.functional.rms_norm_quant, quant.quantize_per_token
+    fused_add_norm_quant = fusednorm.functional.fused_add_rms_norm_quant
 
     def counting_norm(*a, **k):
         calls["norm"] += 1
         return norm_quant(*a, **k)
+
+    def counting_fused_add_norm(*a, **k):
+        calls["fused_add_norm"] += 1
+        return fused_add_norm_quant(*a, **k)
 
     def counting_per_token(*a, **k):
         calls["per_token"] += 1
         return per_token(*a, **k)
 
     monkeypatch.setattr(quant.F, "rms_norm_quant", counting_norm)
+    monkeypatch.setattr(quant.F, "fused_add_rms_norm_quant", counting_fused_add_norm)
     monkeypatch.setattr(quant, "quantize_per_token", counting_per_token)
     with torch.inference_mode():
         model(input_ids=torch.randint(0, 128, (1, 8)))
-    # per layer: 2 norms (for 5 linears), o_proj and down_proj quantize their own input
-    assert calls == {"norm": 4, "per_token": 4}
+    # per layer: 2 norms (for 5 linears; the second with the residual add), o_proj and
+    # down_proj quantize their own input
+    assert calls == {"norm": 2, "fused_add_norm": 2, "per_token": 4}
+
+
+def test_fused_add_gives_the_unfused_logits_and_keeps_the_layer_input():
+    model = _tiny_llama()
+    unfused = copy.deepcopy(model)
+    quant.patch_hf_w8a8(unfused, fuse_add=False)
+    quant.patch_hf_w8a8(model)
+    layer = model.model.layers[0]
+    assert type(layer).__name__ == "FusedAddLlamaDecoderLayer"
+    assert type(unfused.model.layers[0]).__name__ == "LlamaDecoderLayer"
+    assert isinstance(layer.post_attention_layernorm, quant.QuantizedRMSNorm)
+    # The fused add must leave each layer's input (the caller's tensor) as it was.
+    inputs = []
+
+    def keep_input(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        inputs.append((x, x.clone()))
+
+    for decoder_layer in model.model.layers:
+        decoder_layer.register_forward_pre_hook(keep_input, with_kwargs=True)
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits
+        ref = unfused(input_ids=ids).logits
+    assert len(inputs) == 2 and all(torch.equal(x, before) for x, before in inputs)
+    # The same fp32 sum (an IEEE add commutes) and the same q, but fused_add_rms_norm_quant's
+    # per-token scale differs from rms_norm_quant's on the same sum by one fp32 ulp on some
+    # rows (measured: 9 of 48 rows at D = 64), so the logits agree to fp32 rounding
+    # (measured: 1.6e-7 of the largest logit), not bit for bit.
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-6
 
 
 def test_tiny_llama_logits_close_to_fp32(capsys):
@@ -149,3 +199,8 @@ def test_bench_w8a8_runs_and_every_int8_gemm_is_exact(capsys):
                      "--norm-rows", "3"])
     out = capsys.readouterr().out
     assert "onednn_u8" in out and "w8a8" in out and "torch_compile" in out
+
+
+def test_unknown_gemm_is_a_clear_error():
+    with pytest.raises(ValueError, match="W8A8Linear: gemm must be one of"):
+        quant.W8A8Linear.from_linear(torch.nn.Linear(16, 8), gemm="mkl")
