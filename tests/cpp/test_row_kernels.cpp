@@ -11,6 +11,7 @@
 #include <limits>
 #include <set>
 
+#include "core/scalar_convert.h"
 #include "cpu/row_kernels.h"
 #include "test_util.h"
 
@@ -19,13 +20,6 @@ namespace {
 
 using cpu::DTypeKernels;
 using cpu::TargetKernels;
-
-// The bits of a float, so that EXPECT_EQ tells +0 from -0 and compares NaNs.
-std::uint32_t bits_of(float v) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits;
-}
 
 constexpr std::int64_t kLengths[] = {1,  2,  3,  4,  5,  7,  8,  9,  13, 15,
                                      16, 17, 31, 33, 47, 63, 64, 65, 100};
@@ -379,10 +373,10 @@ TEST_P(RowKernelTest, BackwardDotsAndApply) {
                 {dy.data(), x.data()}, {x.data(), dy.data()}, {c ? mean : 0.0f, mean1},
                 {rstd, rstd1},         pair_g_xhat,           pair_g};
             k.backward_dots_pair[c][has_w](rows, has_w ? w.float_data() : nullptr, n);
-            EXPECT_EQ(bits_of(pair_g_xhat[0]), bits_of(got_g_xhat));
-            EXPECT_EQ(bits_of(pair_g[0]), bits_of(got_g));
-            EXPECT_EQ(bits_of(pair_g_xhat[1]), bits_of(single1_g_xhat));
-            EXPECT_EQ(bits_of(pair_g[1]), bits_of(single1_g));
+            EXPECT_EQ(detail::float_bits(pair_g_xhat[0]), detail::float_bits(got_g_xhat));
+            EXPECT_EQ(detail::float_bits(pair_g[0]), detail::float_bits(got_g));
+            EXPECT_EQ(detail::float_bits(pair_g_xhat[1]), detail::float_bits(single1_g_xhat));
+            EXPECT_EQ(detail::float_bits(pair_g[1]), detail::float_bits(single1_g));
           }
 
           for (const StoreMode mode : store_modes()) {
