@@ -270,7 +270,8 @@ def patch_hf_w8a8(model: nn.Module, fuse_add: bool = True, gemm: str = "auto") -
 
     With ``fuse_add``, the layers fusednorm.patch_hf would fuse (``hf.FUSED_ADD_DECODER_
     LAYERS``) also take the residual add before post_attention_layernorm into it (one
-    ``fused_add_rms_norm_quant`` call, the same numbers; the layer's class becomes
+    ``fused_add_rms_norm_quant`` call: the same sum; a per-token scale may differ from the
+    unfused one by one fp32 ulp, see python/README.md); the layer's class becomes
     ``FusedAdd<Class>``, see fusednorm.hf).
 
     Llama-style norms only (``weight * normalized`` without offset); the norms' outputs are
