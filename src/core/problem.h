@@ -1,5 +1,6 @@
-// The validated, backend-neutral description of one operator call. The public entry points
-// (api.cpp) build one of these, validate it once (validate.cpp), and hand it to a backend.
+// The validated, backend-neutral description of one operator call. The public entry
+// points (src/dispatch/api.cpp) build one of these, validate it once (validate.cpp), and
+// hand it to a backend.
 #pragma once
 
 #include "fusednorm/fusednorm.h"
@@ -7,6 +8,13 @@
 namespace fusednorm::detail {
 
 enum class NormKind { kRms, kLayer };
+
+// The weight offset as both backends add it: without one, -0.0f, which leaves every value,
+// -0.0 included, unchanged (+0.0f would turn a -0.0 weight into +0.0), so a -0.0 weight
+// gives the same signed zeros on the CPU and the GPU.
+inline float kernel_weight_offset(float weight_offset) {
+  return weight_offset == 0.0f ? -0.0f : weight_offset;
+}
 
 // Which part of an operator a call runs (see fusednorm.h's phased operators): the whole
 // operator; phase 1 (per-row partial sums of a column slice, nothing else; LayerNorm's

@@ -10,6 +10,15 @@
 
 #include "core/scalar_convert.h"
 
+// The scale formula below runs on the host and in the CUDA kernels (src/cuda/quantize.cuh),
+// so that both backends compute a dynamic scale from one definition. (The CUDA emulation
+// compiles the kernels as host code: __CUDACC__ is not defined there.)
+#if defined(__CUDACC__)
+#define FUSEDNORM_HOST_DEVICE __host__ __device__
+#else
+#define FUSEDNORM_HOST_DEVICE
+#endif
+
 namespace fusednorm::detail {
 
 constexpr float kInt8Max = 127.0f;
@@ -19,18 +28,20 @@ constexpr float kFloat8E4M3Max = 448.0f;
 constexpr float kInt8MinScale = FLT_EPSILON;
 constexpr float kFloat8E4M3MinScale = 1.0f / (448.0f * 512.0f);
 
-inline float quant_max(DType q_dtype) {
+FUSEDNORM_HOST_DEVICE inline float quant_max(DType q_dtype) {
   return q_dtype == DType::kFloat8E4M3 ? kFloat8E4M3Max : kInt8Max;
 }
-inline float quant_min_scale(DType q_dtype) {
+FUSEDNORM_HOST_DEVICE inline float quant_min_scale(DType q_dtype) {
   return q_dtype == DType::kFloat8E4M3 ? kFloat8E4M3MinScale : kInt8MinScale;
 }
 
 // A row's dynamic per-token scale from the max |y| of its non-NaN values (fusednorm.h):
-// bounded by *upper_bound when given, divided by qmax, floored at min_scale; fp32 throughout.
-inline float dynamic_quant_scale(float amax, const float* upper_bound, DType q_dtype) {
-  if (upper_bound != nullptr) amax = std::fmin(amax, *upper_bound);
-  return std::fmax(amax / quant_max(q_dtype), quant_min_scale(q_dtype));
+// bounded by *upper_bound when given, divided by qmax (an IEEE division on both backends:
+// nvcc's default -prec-div=true), floored at min_scale; fp32 throughout.
+FUSEDNORM_HOST_DEVICE inline float dynamic_quant_scale(float amax, const float* upper_bound,
+                                                       DType q_dtype) {
+  if (upper_bound != nullptr) amax = fminf(amax, *upper_bound);
+  return fmaxf(amax / quant_max(q_dtype), quant_min_scale(q_dtype));
 }
 
 // Round to nearest even and saturate to [-128, 127]; NaN -> 0 (what CUDA's
@@ -52,7 +63,7 @@ inline std::uint8_t float_to_e4m3_saturate(float v) {
   const std::uint32_t u = float_bits(v);
   const std::uint8_t sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
   const std::uint32_t abs_bits = u & 0x7fffffffu;
-  if (abs_bits > 0x7f800000u) return 0x7fu;         // NaN
+  if (abs_bits > 0x7f800000u) return 0x7fu;          // NaN
   if (abs_bits >= 0x43e00000u) return sign | 0x7eu;  // >= 448 (and Inf): saturate to 448
   if (abs_bits < 0x3c800000u) {
     // Below 2^-6, the smallest normal: the result is m * 2^-9. Adding 2^14 (whose fp32 ulp

@@ -22,6 +22,7 @@ namespace {
 
 using detail::BackwardProblem;
 using detail::ForwardProblem;
+using detail::kernel_weight_offset;
 using detail::NormKind;
 using detail::Phase;
 

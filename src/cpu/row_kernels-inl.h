@@ -181,21 +181,27 @@ float Sum(const void* x_ptr, int64_t n) {
 
 // Sum of (x - center)^2 (of x^2 when not centered) over one row; inlined into the one-row
 // kernel and the multi-row RmsRows, so both sum in the same order and give the same bits.
+// AddResidualOfRow adds the squares of the stored residual in this same order (the same
+// vector pairs and accumulators), so that fused_add_rms_norm's rstd equals rms_norm's on
+// the residual it stored. bf16 pairs are loaded in the parity layout: the sum's terms are
+// the same, widening them costs fewer instructions than the in-order layout.
 template <typename T, bool kCentered>
 HWY_INLINE float SumSquaresOfRow(DF df, const T* x, int64_t n, float center) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const VF c = hn::Set(df, center);
   auto deviation = [&](VF v) { return kCentered ? hn::Sub(v, c) : v; };
+  auto load = [&](auto full, int64_t i, size_t count) {
+    return deviation(LoadElements(full, df, x + i, count));
+  };
   VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
-    const VF a = deviation(ElementIO<T>::Load(df, x + i));
-    const VF b = deviation(ElementIO<T>::Load(df, x + i + N));
+    const auto [a, b] = MakePair<kPairLayout<T>>(load, i, N);
     acc0 = hn::MulAdd(a, a, acc0);
     acc1 = hn::MulAdd(b, b, acc1);
   }
   for (; i + N <= n; i += N) {
-    const VF a = deviation(ElementIO<T>::Load(df, x + i));
+    const VF a = load(Full(), i, N);
     acc0 = hn::MulAdd(a, a, acc0);
   }
   if (i < n) {
@@ -213,44 +219,42 @@ float SumSquares(const void* x, int64_t n, float center) {
 }
 
 // residual <- round(x + residual) over one row; returns the sum of squares of the rounded
-// residual. Shared by the one-row kernel and RmsRows, as SumSquaresOfRow is. bf16 rows go
-// pairwise in the parity layout (the same sums, added in another fixed order): callgrind,
-// AVX2, fused_add_rms_norm 16 x 4096 bf16: AddResidual 8.72 M -> 5.90 M instructions.
+// residual, added as SumSquaresOfRow adds them (the same bits). Shared by the one-row kernel
+// and RmsRows, as SumSquaresOfRow is. bf16 pairs go in the parity layout: callgrind, AVX2,
+// fused_add_rms_norm 16 x 4096 bf16: AddResidual 8.72 M -> 5.90 M instructions.
 template <typename T>
 HWY_INLINE float AddResidualOfRow(DF df, const T* x, T* residual, int64_t n) {
   using IO = ElementIO<T, NaNPayloads::kNarrow>;  // sums of two T
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  VF acc = hn::Zero(df);
+  auto sum = [&](auto full, int64_t i, size_t count) {
+    return hn::Add(LoadElements(full, df, x + i, count),
+                   LoadElements(full, df, residual + i, count));
+  };
+  VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
   int64_t i = 0;
-  if constexpr (kPairLayout<T> == PairLayout::kParity) {
-    VF acc_odd = hn::Zero(df);
-    for (; i + 2 * N <= n; i += 2 * N) {
-      const VF even = hn::Add(LoadElements(EvenOfPair(), df, x + i, 0),
-                              LoadElements(EvenOfPair(), df, residual + i, 0));
-      const VF odd = hn::Add(LoadElements(OddOfPair(), df, x + i, 0),
-                             LoadElements(OddOfPair(), df, residual + i, 0));
-      IO::StoreParity(df, even, odd, residual + i);
-      const VF stored_even = IO::RoundTrip(df, even), stored_odd = IO::RoundTrip(df, odd);
-      acc = hn::MulAdd(stored_even, stored_even, acc);
-      acc_odd = hn::MulAdd(stored_odd, stored_odd, acc_odd);
-    }
-    acc = hn::Add(acc, acc_odd);
+  for (; i + 2 * N <= n; i += 2 * N) {
+    const auto [first, second] = MakePair<kPairLayout<T>>(sum, i, N);
+    StorePair<T, NaNPayloads::kNarrow, kPairLayout<T>>(df, first, second, residual + i);
+    // Normalize what was stored.
+    const VF a = IO::RoundTrip(df, first), b = IO::RoundTrip(df, second);
+    acc0 = hn::MulAdd(a, a, acc0);
+    acc1 = hn::MulAdd(b, b, acc1);
   }
   for (; i + N <= n; i += N) {
-    const VF sum = hn::Add(IO::Load(df, x + i), IO::Load(df, residual + i));
-    IO::Store(df, sum, residual + i);
-    const VF stored = IO::RoundTrip(df, sum);  // normalize what was stored
-    acc = hn::MulAdd(stored, stored, acc);
+    const VF v = sum(Full(), i, N);
+    IO::Store(df, v, residual + i);
+    const VF a = IO::RoundTrip(df, v);
+    acc0 = hn::MulAdd(a, a, acc0);
   }
   if (i < n) {
     const size_t rest = static_cast<size_t>(n - i);
     Tail<T, NaNPayloads::kNarrow> residual_tail(residual + i, rest);
-    const VF sum = hn::Add(Tail<T>(x + i, rest).Load(df), residual_tail.Load(df));
-    residual_tail.Store(df, sum, residual + i);
-    const VF stored = IO::RoundTrip(df, sum);
-    acc = hn::MulAdd(stored, stored, acc);  // padding lanes are 0 + 0
+    const VF v = hn::Add(Tail<T>(x + i, rest).Load(df), residual_tail.Load(df));
+    residual_tail.Store(df, v, residual + i);
+    const VF a = IO::RoundTrip(df, v);
+    acc1 = hn::MulAdd(a, a, acc1);  // padding lanes are 0 + 0
   }
-  return hn::GetLane(hn::SumOfLanes(df, acc));
+  return hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
 }
 
 template <typename T>

@@ -37,20 +37,15 @@ inline float rstd_from_mean_square(float mean_square, float eps) {
   return 1.0f / std::sqrt(mean_square + eps);
 }
 
-// The weight offset as the kernels add it: without one, -0.0f, which leaves every value,
-// -0.0 included, unchanged (+0.0f would turn a -0.0 weight into +0.0).
-inline float kernel_weight_offset(float weight_offset) {
-  return weight_offset == 0.0f ? -0.0f : weight_offset;
-}
 // v, with a NaN made the default NaN, whose payload's low 16 bits are zero (what bf16's
 // rounding needs: NaNPayloads in element_io-inl.h).
 inline float NarrowNaN(float v) { return v == v ? v : std::numeric_limits<float>::quiet_NaN(); }
 
-// The table slot of the kernels for a weight offset from kernel_weight_offset(): [0] for none
-// (-0.0f: those kernels skip the add, an identity, and give the same bits), [1] for the
-// kernels that add it. The add cost 2 of 31 instructions per 16 bf16 elements of the
-// RMSNorm write loop on AVX2, 2 of 18 for fp16 (callgrind, 16 x 4096: Normalize -7 % bf16,
-// -11 % fp16, -17 % fp32).
+// The table slot of the kernels for a weight offset from detail::kernel_weight_offset()
+// (core/problem.h): [0] for none (-0.0f: those kernels skip the add, an identity, and give
+// the same bits), [1] for the kernels that add it. The add cost 2 of 31 instructions per 16
+// bf16 elements of the RMSNorm write loop on AVX2, 2 of 18 for fp16 (callgrind, 16 x 4096:
+// Normalize -7 % bf16, -11 % fp16, -17 % fp32).
 inline int offset_slot(float kernel_offset) { return kernel_offset == 0.0f ? 0 : 1; }
 
 // Sum of x.

@@ -147,7 +147,7 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
   a.rows = p.rows();
   a.cols = p.cols();
   a.eps = p.eps;
-  a.weight_offset = p.kind == NormKind::kRms ? p.weight_offset : 0.0f;
+  a.weight_offset = detail::kernel_weight_offset(p.kind == NormKind::kRms ? p.weight_offset : 0.0f);
   // Phase 1 writes partial_sums; LayerNorm's deviations phase takes row_sum (the mean).
   const bool phase1 =
       p.phase == detail::Phase::kPartialSums || p.phase == detail::Phase::kPartialDeviations;
@@ -235,7 +235,7 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
   a.rows = p.rows();
   a.cols = p.cols();
   a.eps = p.eps;
-  a.weight_offset = p.kind == NormKind::kRms ? p.weight_offset : 0.0f;
+  a.weight_offset = detail::kernel_weight_offset(p.kind == NormKind::kRms ? p.weight_offset : 0.0f);
 
   if (want_dw || want_db) {
     const WorkspaceLayout layout = workspace_layout(p.rows(), p.cols());

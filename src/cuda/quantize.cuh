@@ -64,13 +64,10 @@ __device__ __forceinline__ void quantize_store(const float (&y)[kVec], float inv
   q.store(dst);
 }
 
-// A dynamic row's scale from its amax of |y| (NaN excluded): bounded by the upper bound,
-// divided by qmax (an IEEE division: nvcc's default -prec-div=true), floored at min_scale.
+// A dynamic row's scale from its amax of |y| (NaN excluded): the host's formula.
 __device__ __forceinline__ float dynamic_row_scale(float amax, const QuantArgs& quant) {
-  if (quant.scale_upper_bound != nullptr) amax = fminf(amax, *quant.scale_upper_bound);
-  const float qmax = quant.fp8 ? detail::kFloat8E4M3Max : detail::kInt8Max;
-  const float min_scale = quant.fp8 ? detail::kFloat8E4M3MinScale : detail::kInt8MinScale;
-  return fmaxf(amax / qmax, min_scale);
+  return detail::dynamic_quant_scale(amax, quant.scale_upper_bound,
+                                     quant.fp8 ? DType::kFloat8E4M3 : DType::kInt8);
 }
 
 }  // namespace fusednorm::cuda

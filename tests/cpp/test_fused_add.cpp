@@ -8,12 +8,12 @@ namespace {
 class FusedAddTest : public RmsVariantTest {
  protected:
   void run_case(Rng& rng, std::int64_t rows, std::int64_t cols, std::int64_t x_stride,
-                std::int64_t residual_stride, std::int64_t y_stride, bool in_place,
-                bool want_rstd, float eps, int threads) {
+                std::int64_t residual_stride, std::int64_t y_stride, bool in_place, bool want_rstd,
+                float eps, int threads) {
     SCOPED_TRACE(::testing::Message()
                  << "rows " << rows << ", D " << cols << ", strides " << x_stride << "/"
-                 << residual_stride << "/" << y_stride << ", y == x " << in_place << ", eps "
-                 << eps << ", threads " << threads);
+                 << residual_stride << "/" << y_stride << ", y == x " << in_place << ", eps " << eps
+                 << ", threads " << threads);
     Buffer x(dtype(), rows, cols, x_stride);
     Buffer residual(dtype(), rows, cols, residual_stride);
     fill_activations(x, rng, false);
@@ -53,6 +53,22 @@ class FusedAddTest : public RmsVariantTest {
     }
     if (!in_place) {
       EXPECT_TRUE(x.check_unchanged("x", x_before));
+    }
+    // rms_norm of the stored residual gives the same bits: the fused add sums the squares
+    // of what it stored in rms_norm's order (a user may norm the residual again).
+    Buffer y_again(dtype(), rows, cols, cols);
+    Buffer rstd_again = Buffer::floats(rows);
+    rms_norm(ctx, residual.cmatrix(), view_of(w), y_again.matrix(), rstd_again.float_data(),
+             options);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (want_rstd) {
+        ASSERT_EQ(detail::float_bits(rstd.float_data()[r]),
+                  detail::float_bits(rstd_again.float_data()[r]))
+            << "rstd of row " << r;
+      }
+      for (std::int64_t j = 0; j < cols; ++j) {
+        ASSERT_EQ(out.at(r, j), y_again.at(r, j)) << "y[" << r << ", " << j << "]";
+      }
     }
   }
 };

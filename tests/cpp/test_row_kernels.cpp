@@ -11,6 +11,7 @@
 #include <limits>
 #include <set>
 
+#include "core/problem.h"
 #include "core/scalar_convert.h"
 #include "cpu/row_kernels.h"
 #include "test_util.h"
@@ -176,6 +177,10 @@ TEST_P(RowKernelTest, AddResidualRoundsOnceAndStaysInTheRow) {
         ASSERT_EQ(residual.at(j), expected[j]) << "element " << j;
       }
       EXPECT_NEAR(got, squares, sum_tolerance(n) * squares);
+      // The same terms in the same order as rms_norm's sum of the stored residual, so that
+      // fused_add_rms_norm and rms_norm of its residual give the same rstd bits.
+      EXPECT_EQ(detail::float_bits(got),
+                detail::float_bits(k.sum_squares[0](residual.data(), n, 0.0f)));
     }
   }
 }
@@ -224,7 +229,7 @@ TEST_P(RowKernelTest, NormalizeIsExactAfterRounding) {
                              << mode.offset << ", centered " << c << ", weight type " << w_type
                              << ", bias type " << b_type << ", weight offset " << offset);
                 Buffer y(dtype(), 1, n, n, kGuard + mode.offset);
-                const float kernel_offset = cpu::kernel_weight_offset(offset);
+                const float kernel_offset = detail::kernel_weight_offset(offset);
                 k.normalize[mode.stream][c][w_type][b_type][cpu::offset_slot(kernel_offset)](
                     x.data(), w.data(w_type), b.data(b_type), y.data(), n, c ? mean : 0.0f, rstd,
                     kernel_offset);
@@ -279,7 +284,7 @@ TEST_P(RowKernelTest, RmsRowsMatchTheOneRowKernels) {
               SCOPED_TRACE(::testing::Message()
                            << t.name << ", n " << n << ", rows " << rows << ", fused add " << fused
                            << ", weight type " << w_type << ", weight offset " << offset);
-              const float eps = 1e-5f, kernel_offset = cpu::kernel_weight_offset(offset);
+              const float eps = 1e-5f, kernel_offset = detail::kernel_weight_offset(offset);
               Buffer y(dtype(), rows, n, stride + 2), rstd = Buffer::floats(rows);
               Buffer residual = residual_start;
               cpu::RmsRows block{

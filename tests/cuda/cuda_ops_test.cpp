@@ -994,6 +994,37 @@ TEST(CudaEdgeCases, ZeroRowsAndZeroRowValues) {
   for (int i = 0; i < 4 * 4096; ++i) ASSERT_EQ(y.get(i), 0.0f) << i;
 }
 
+// A -0.0 weight element gives the CPU backend's signed zeros (both add the weight offset as
+// -0.0f when there is none; +0.0f would turn the weight into +0.0 and flip y's zero sign).
+TEST(CudaEdgeCases, NegativeZeroWeightGivesTheCpuBackendsSignedZeros) {
+  REQUIRE_GPU();
+  const std::int64_t rows = 3, cols = 64;
+  for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    std::mt19937 rng(7);
+    Buffer x(dtype, rows * cols), w(dtype, cols), y(dtype, rows * cols);
+    x.fill_random(rng);
+    w.fill_random(rng);
+    for (std::int64_t j = 0; j < cols; j += 3) detail::store_from_float(w.host(), dtype, j, -0.0f);
+    x.upload();
+    w.upload();
+    rms_norm(kGpu, const_matrix(x.device(), dtype, rows, cols), {w.device(), dtype, cols},
+             matrix(y.device(), dtype, rows, cols), nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    y.download();
+    std::vector<unsigned char> y_cpu(static_cast<std::size_t>(rows * cols) * dtype_size(dtype));
+    rms_norm(Context{}, const_matrix(x.host(), dtype, rows, cols), {w.host(), dtype, cols},
+             matrix(y_cpu.data(), dtype, rows, cols), nullptr);
+    std::int64_t negative_zeros = 0;
+    for (std::int64_t i = 0; i < rows * cols; ++i) {
+      const float cpu = detail::load_as_float(y_cpu.data(), dtype, i);
+      ASSERT_EQ(std::signbit(y.get(i)), std::signbit(cpu)) << i;
+      negative_zeros += cpu == 0.0f && std::signbit(cpu);
+    }
+    EXPECT_GT(negative_zeros, 0);  // the case is exercised: x > 0 times -0.0
+  }
+}
+
 TEST(CudaEdgeCases, SmallWorkspaceThrowsWithoutAllocating) {
   REQUIRE_GPU();
   Buffer x(DType::kFloat32, 8 * 256), dy(DType::kFloat32, 8 * 256), w(DType::kFloat32, 256), dw(DType::kFloat32, 256);

@@ -1,4 +1,5 @@
 // Public entry points: build the problem, validate it once, hand it to the backend.
+// The layer above the backends: src/core (below them) never includes a backend.
 #include <limits>
 #include <string>
 
