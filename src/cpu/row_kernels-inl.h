@@ -86,37 +86,39 @@ constexpr PairLayout kPairLayout = (std::is_same_v<T, hwy::bfloat16_t> &&
 // alias anything, so captured references would be reloaded from memory after every store
 // (the streamed fp16 forward write pass, 16384 x 4096 on one thread, took 10.0 ms instead
 // of 6.9 ms).
+// Ordinary stores of [begin, end) of each row: whole vectors, then one staged partial
+// vector. Inlined, so that make's members stay in registers where the caller's copy is a
+// local whose address does not escape.
+template <typename T, NaNPayloads kNaNs, size_t kRows, PairLayout kLayout, class MakeFn>
+HWY_INLINE void StoreRows(DF df, const std::array<T*, kRows>& out, const MakeFn& make,
+                          int64_t begin, int64_t end) {
+  using IO = ElementIO<T, kNaNs>;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = begin;
+  for (; i + 2 * lanes <= end; i += 2 * lanes) {
+    const auto [first, second] = MakePair<kLayout>(make, i, lanes);
+    for (size_t k = 0; k < kRows; ++k) {
+      StorePair<T, kNaNs, kLayout>(df, first[k], second[k], out[k] + i);
+    }
+  }
+  for (; i + lanes <= end; i += lanes) {
+    const auto v = make(Full(), i, lanes);
+    for (size_t k = 0; k < kRows; ++k) IO::Store(df, v[k], out[k] + i);
+  }
+  if (i < end) {
+    const size_t rest = static_cast<size_t>(end - i);
+    const auto v = make(Partial(), i, rest);
+    for (size_t k = 0; k < kRows; ++k) {
+      Tail<T, kNaNs>(nullptr, rest).Store(df, v[k], out[k] + i);
+    }
+  }
+}
+
 template <typename T, bool kStream, NaNPayloads kNaNs, size_t kRows, class MakeFn,
           PairLayout kLayout = PairLayout::kHalves>
 void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) {
   using IO = ElementIO<T, kNaNs>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  // Ordinary stores of [begin, end): whole vectors, then one staged partial vector.
-  auto store_range = [=](int64_t begin, int64_t end) {
-    // Local copies of the captures: this lambda is called more than once and not inlined,
-    // and its closure's members would be reloaded after every store as well.
-    const MakeFn make_here = make;
-    const std::array<T*, kRows> out_here = out;
-    const int64_t lanes = N;
-    int64_t i = begin;
-    for (; i + 2 * lanes <= end; i += 2 * lanes) {
-      const auto [first, second] = MakePair<kLayout>(make_here, i, lanes);
-      for (size_t k = 0; k < kRows; ++k) {
-        StorePair<T, kNaNs, kLayout>(df, first[k], second[k], out_here[k] + i);
-      }
-    }
-    for (; i + lanes <= end; i += lanes) {
-      const auto v = make_here(Full(), i, lanes);
-      for (size_t k = 0; k < kRows; ++k) IO::Store(df, v[k], out_here[k] + i);
-    }
-    if (i < end) {
-      const size_t rest = static_cast<size_t>(end - i);
-      const auto v = make_here(Partial(), i, rest);
-      for (size_t k = 0; k < kRows; ++k) {
-        Tail<T, kNaNs>(nullptr, rest).Store(df, v[k], out_here[k] + i);
-      }
-    }
-  };
   if constexpr (kStream) {
     // Only whole 64-byte lines are streamed: a line written partly by ordinary stores and
     // partly by non-temporal ones is flushed half-empty, which cost more than streaming
@@ -132,6 +134,13 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
       const int64_t last_line =
           last_boundary > address ? static_cast<int64_t>((last_boundary - address) / sizeof(T)) : 0;
       if (first_line + N <= last_line) {
+        // The partial lines at both ends: local copies of make and out, as a lambda called
+        // twice and not inlined would otherwise reload its captures after every store.
+        auto store_range = [=](int64_t begin, int64_t end) {
+          const MakeFn make_here = make;
+          const std::array<T*, kRows> out_here = out;
+          StoreRows<T, kNaNs, kRows, kLayout>(df, out_here, make_here, begin, end);
+        };
         store_range(0, first_line);
         int64_t i = first_line;
         for (; i + 2 * N <= last_line; i += 2 * N) {
@@ -149,7 +158,11 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
       }
     }
   }
-  store_range(0, n);
+  // Called once here and inlined: make, a parameter, needs no copy (three copies of a
+  // four-row closure, about 100 bytes each, had cost more than 100 instructions per group of
+  // short rows); out's pointers are copied so that the stores cannot be taken to change them.
+  const std::array<T*, kRows> out_here = out;
+  StoreRows<T, kNaNs, kRows, kLayout>(df, out_here, make, 0, n);
   // No fence here: a store fence per row stalls until the write-combining buffers drain,
   // which made D = 128 rows 20x slower. The backend fences once per thread instead.
 }

@@ -383,6 +383,10 @@ TEST_P(RowKernelTest, LayerRowsMatchTheOneRowKernels) {
               k.normalize[0][1][w_type][b_type][0](row, w.data(w_type), b.data(b_type),
                                                    want_y.data(), n, want_mean, want_rstd, -0.0f);
               for (std::int64_t j = 0; j < n; ++j) {
+                // A NaN from two NaN operands (the infinity's row: (inf - inf) * NaN rstd)
+                // is whichever operand the compiler put first in a commutative multiply, so
+                // only its NaN-ness is compared there.
+                if (std::isnan(y.at(r, j)) && std::isnan(want_y.at(0, j))) continue;
                 ASSERT_EQ(y.bits(r, j), want_y.bits(0, j)) << "row " << r << ", element " << j;
               }
             }
