@@ -369,21 +369,22 @@ void forward_split_rows(const ForwardCall& call, int threads) {
   });
 }
 
-// Many short RMSNorm rows (D <= kMaxShortRow): blocks of rows through the multi-row
-// kernel, which gives each row the bits of the one-row path. A large output with
-// contiguous rows is written through a staging buffer in L1 that is then copied out with
-// non-temporal stores, so a block of rows streams as one run of whole cache lines (rows
+// Many short rows (D <= kMaxShortRow): blocks of rows through the multi-row kernels
+// (rms_rows, layer_rows), which give each row the bits of the one-row path. A large output
+// with contiguous rows is written through a staging buffer in L1 that is then copied out
+// with non-temporal stores, so a block of rows streams as one run of whole cache lines (rows
 // streamed one by one were slower: kMinStreamRowBytes).
 constexpr std::int64_t kShortRowsPerTask = 64;
 constexpr std::size_t kStagingBytes = 16 * 1024;
 bool use_short_rows(const ForwardCall& call) {
-  // The phased calls take the one-row path (the short-row kernel computes its own stats).
-  return !call.centered && call.p.cols() <= kMaxShortRow && call.p.phase == Phase::kWhole;
+  // The phased calls take the one-row path (the short-row kernels compute their own stats).
+  return call.p.cols() <= kMaxShortRow && call.p.phase == Phase::kWhole;
 }
 void forward_short_rows(const ForwardCall& call, int threads) {
   const ForwardProblem& p = call.p;
-  const RmsRowsFn fn =
+  const RmsRowsFn rms_fn =
       call.k.rms_rows[p.has_residual()][call.weight_type][offset_slot(call.weight_offset)];
+  const LayerRowsFn layer_fn = call.k.layer_rows[call.weight_type][call.bias_type];
   const std::size_t row_bytes = static_cast<std::size_t>(p.cols()) * call.esize;
   const bool staged = p.y.row_stride == p.cols() && row_bytes <= kStagingBytes &&
                       large_output(p.rows(), p.cols(), p.x.dtype);
@@ -393,22 +394,40 @@ void forward_short_rows(const ForwardCall& call, int threads) {
   parallel_for(threads, ceil_div(p.rows(), rows_per_task), [&](std::int64_t task) {
     alignas(64) unsigned char staging[kStagingBytes];
     const std::int64_t first = task * rows_per_task;
-    RmsRows block;
-    block.x = call.x_row(first);
-    block.x_stride = p.x.row_stride;
-    block.residual = p.has_residual() ? call.residual_row(first) : nullptr;
-    block.residual_stride = p.residual.row_stride;
-    block.y = staged ? static_cast<void*>(staging) : call.y_row(first);
-    block.y_stride = p.y.row_stride;
-    block.w = p.weight.data;
-    block.w_offset = call.weight_offset;
-    block.eps = p.eps;
-    block.rstd = p.rstd != nullptr ? p.rstd + first : nullptr;
-    block.rows = std::min(rows_per_task, p.rows() - first);
-    block.n = p.cols();
-    fn(block);
+    const std::int64_t rows = std::min(rows_per_task, p.rows() - first);
+    void* y = staged ? static_cast<void*>(staging) : call.y_row(first);
+    if (call.centered) {
+      LayerRows block;
+      block.x = call.x_row(first);
+      block.x_stride = p.x.row_stride;
+      block.y = y;
+      block.y_stride = p.y.row_stride;
+      block.w = p.weight.data;
+      block.b = p.bias.data;
+      block.eps = p.eps;
+      block.mean = p.mean != nullptr ? p.mean + first : nullptr;
+      block.rstd = p.rstd != nullptr ? p.rstd + first : nullptr;
+      block.rows = rows;
+      block.n = p.cols();
+      layer_fn(block);
+    } else {
+      RmsRows block;
+      block.x = call.x_row(first);
+      block.x_stride = p.x.row_stride;
+      block.residual = p.has_residual() ? call.residual_row(first) : nullptr;
+      block.residual_stride = p.residual.row_stride;
+      block.y = y;
+      block.y_stride = p.y.row_stride;
+      block.w = p.weight.data;
+      block.w_offset = call.weight_offset;
+      block.eps = p.eps;
+      block.rstd = p.rstd != nullptr ? p.rstd + first : nullptr;
+      block.rows = rows;
+      block.n = p.cols();
+      rms_fn(block);
+    }
     if (staged) {
-      stream_copy(call.y_row(first), staging, static_cast<std::int64_t>(block.rows * row_bytes));
+      stream_copy(call.y_row(first), staging, static_cast<std::int64_t>(rows * row_bytes));
     }
   });
 }

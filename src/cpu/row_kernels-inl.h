@@ -86,37 +86,39 @@ constexpr PairLayout kPairLayout = (std::is_same_v<T, hwy::bfloat16_t> &&
 // alias anything, so captured references would be reloaded from memory after every store
 // (the streamed fp16 forward write pass, 16384 x 4096 on one thread, took 10.0 ms instead
 // of 6.9 ms).
+// Ordinary stores of [begin, end) of each row: whole vectors, then one staged partial
+// vector. Inlined, so that make's members stay in registers where the caller's copy is a
+// local whose address does not escape.
+template <typename T, NaNPayloads kNaNs, size_t kRows, PairLayout kLayout, class MakeFn>
+HWY_INLINE void StoreRows(DF df, const std::array<T*, kRows>& out, const MakeFn& make,
+                          int64_t begin, int64_t end) {
+  using IO = ElementIO<T, kNaNs>;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = begin;
+  for (; i + 2 * lanes <= end; i += 2 * lanes) {
+    const auto [first, second] = MakePair<kLayout>(make, i, lanes);
+    for (size_t k = 0; k < kRows; ++k) {
+      StorePair<T, kNaNs, kLayout>(df, first[k], second[k], out[k] + i);
+    }
+  }
+  for (; i + lanes <= end; i += lanes) {
+    const auto v = make(Full(), i, lanes);
+    for (size_t k = 0; k < kRows; ++k) IO::Store(df, v[k], out[k] + i);
+  }
+  if (i < end) {
+    const size_t rest = static_cast<size_t>(end - i);
+    const auto v = make(Partial(), i, rest);
+    for (size_t k = 0; k < kRows; ++k) {
+      Tail<T, kNaNs>(nullptr, rest).Store(df, v[k], out[k] + i);
+    }
+  }
+}
+
 template <typename T, bool kStream, NaNPayloads kNaNs, size_t kRows, class MakeFn,
           PairLayout kLayout = PairLayout::kHalves>
 void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) {
   using IO = ElementIO<T, kNaNs>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  // Ordinary stores of [begin, end): whole vectors, then one staged partial vector.
-  auto store_range = [=](int64_t begin, int64_t end) {
-    // Local copies of the captures: this lambda is called more than once and not inlined,
-    // and its closure's members would be reloaded after every store as well.
-    const MakeFn make_here = make;
-    const std::array<T*, kRows> out_here = out;
-    const int64_t lanes = N;
-    int64_t i = begin;
-    for (; i + 2 * lanes <= end; i += 2 * lanes) {
-      const auto [first, second] = MakePair<kLayout>(make_here, i, lanes);
-      for (size_t k = 0; k < kRows; ++k) {
-        StorePair<T, kNaNs, kLayout>(df, first[k], second[k], out_here[k] + i);
-      }
-    }
-    for (; i + lanes <= end; i += lanes) {
-      const auto v = make_here(Full(), i, lanes);
-      for (size_t k = 0; k < kRows; ++k) IO::Store(df, v[k], out_here[k] + i);
-    }
-    if (i < end) {
-      const size_t rest = static_cast<size_t>(end - i);
-      const auto v = make_here(Partial(), i, rest);
-      for (size_t k = 0; k < kRows; ++k) {
-        Tail<T, kNaNs>(nullptr, rest).Store(df, v[k], out_here[k] + i);
-      }
-    }
-  };
   if constexpr (kStream) {
     // Only whole 64-byte lines are streamed: a line written partly by ordinary stores and
     // partly by non-temporal ones is flushed half-empty, which cost more than streaming
@@ -132,6 +134,13 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
       const int64_t last_line =
           last_boundary > address ? static_cast<int64_t>((last_boundary - address) / sizeof(T)) : 0;
       if (first_line + N <= last_line) {
+        // The partial lines at both ends: local copies of make and out, as a lambda called
+        // twice and not inlined would otherwise reload its captures after every store.
+        auto store_range = [=](int64_t begin, int64_t end) {
+          const MakeFn make_here = make;
+          const std::array<T*, kRows> out_here = out;
+          StoreRows<T, kNaNs, kRows, kLayout>(df, out_here, make_here, begin, end);
+        };
         store_range(0, first_line);
         int64_t i = first_line;
         for (; i + 2 * N <= last_line; i += 2 * N) {
@@ -149,7 +158,11 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
       }
     }
   }
-  store_range(0, n);
+  // Called once here and inlined: make, a parameter, needs no copy (three copies of a
+  // four-row closure, about 100 bytes each, had cost more than 100 instructions per group of
+  // short rows); out's pointers are copied so that the stores cannot be taken to change them.
+  const std::array<T*, kRows> out_here = out;
+  StoreRows<T, kNaNs, kRows, kLayout>(df, out_here, make, 0, n);
   // No fence here: a store fence per row stalls until the write-combining buffers drain,
   // which made D = 128 rows 20x slower. The backend fences once per thread instead.
 }
@@ -163,11 +176,11 @@ void WriteRow(DF df, T* out, int64_t n, MakeFn make) {
   WriteRows<T, kStream, kNaNs, 1, decltype(make_one), kLayout>(df, {out}, n, make_one);
 }
 
+// Sum of x over one row; inlined into the one-row kernel and the multi-row LayerRows, so
+// both sum in the same order and give the same bits.
 template <typename T>
-float Sum(const void* x_ptr, int64_t n) {
-  const DF df;
+HWY_INLINE float SumOfRow(DF df, const T* x, int64_t n) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  const T* x = static_cast<const T*>(x_ptr);
   VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
@@ -177,6 +190,11 @@ float Sum(const void* x_ptr, int64_t n) {
   for (; i + N <= n; i += N) acc0 = hn::Add(acc0, ElementIO<T>::Load(df, x + i));
   if (i < n) acc1 = hn::Add(acc1, Tail<T>(x + i, static_cast<size_t>(n - i)).Load(df));
   return hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
+}
+
+template <typename T>
+float Sum(const void* x, int64_t n) {
+  return SumOfRow<T>(DF(), static_cast<const T*>(x), n);
 }
 
 // Sum of (x - center)^2 (of x^2 when not centered) over one row; inlined into the one-row
@@ -358,6 +376,65 @@ void RmsRowsKernel(const RmsRows& rows) {
     RmsRowGroup<T, kResidual, W, kOffset, kGroup>(rows, r);
   }
   for (; r < rows.rows; ++r) RmsRowGroup<T, kResidual, W, kOffset, 1>(rows, r);
+}
+
+// LayerNorm of rows.rows short rows, kGroup at a time: the group's sums first, then its
+// sums of squared deviations (independent chains that overlap; the row is in L1 for the
+// second pass), then the outputs, each weight and bias vector loaded once for the group.
+// Per row the arithmetic is compute_row_stats' (cpu_backend.cpp; a one-chunk chunked_sum,
+// 0.0f + the chunk's sum) followed by Normalize's, so a row's bits do not depend on the
+// rows grouped with it or on which path the backend takes.
+template <typename T, typename W, typename B, size_t kGroup>
+void LayerRowGroup(const LayerRows& rows, int64_t first) {
+  const DF df;
+  const int64_t n = rows.n;
+  const auto length = static_cast<float>(n);
+  std::array<const T*, kGroup> source;
+  std::array<T*, kGroup> out;
+  std::array<float, kGroup> mean;
+  std::array<VF, kGroup> vmean, vrstd;
+  for (size_t k = 0; k < kGroup; ++k) {
+    const int64_t r = first + static_cast<int64_t>(k);
+    source[k] = static_cast<const T*>(rows.x) + r * rows.x_stride;
+    out[k] = static_cast<T*>(rows.y) + r * rows.y_stride;
+    mean[k] = (0.0f + SumOfRow<T>(df, source[k], n)) / length;
+  }
+  for (size_t k = 0; k < kGroup; ++k) {
+    const int64_t r = first + static_cast<int64_t>(k);
+    const float mean_square = (0.0f + SumSquaresOfRow<T, true>(df, source[k], n, mean[k])) / length;
+    const float rstd = rstd_from_mean_square(mean_square, rows.eps);
+    if (rows.mean != nullptr) rows.mean[r] = mean[k];
+    if (rows.rstd != nullptr) rows.rstd[r] = rstd;
+    vmean[k] = hn::Set(df, NarrowNaN(mean[k]));
+    vrstd[k] = hn::Set(df, NarrowNaN(rstd));
+  }
+  const void* w = rows.w;
+  const void* b = rows.b;
+  auto make = [=](auto full, int64_t i, size_t count) {
+    VF wv = hn::Zero(df), bv = hn::Zero(df);
+    if constexpr (!std::is_void_v<W>) wv = LoadParam<W>(full, df, w, i, count);
+    if constexpr (!std::is_void_v<B>) bv = LoadParam<B>(full, df, b, i, count);
+    std::array<VF, kGroup> result;
+    for (size_t k = 0; k < kGroup; ++k) {
+      result[k] =
+          hn::Mul(hn::Sub(LoadElements(full, df, source[k] + i, count), vmean[k]), vrstd[k]);
+      if constexpr (!std::is_void_v<W>) result[k] = hn::Mul(result[k], wv);
+      if constexpr (!std::is_void_v<B>) result[k] = hn::Add(result[k], bv);
+    }
+    return result;
+  };
+  WriteRows<T, false, kOutputNaNs<T, W, B>, kGroup, decltype(make), kPairLayout<T, W, B>>(df, out,
+                                                                                          n, make);
+}
+
+template <typename T, typename W, typename B>
+void LayerRowsKernel(const LayerRows& rows) {
+  constexpr size_t kGroup = 4;
+  int64_t r = 0;
+  for (; r + static_cast<int64_t>(kGroup) <= rows.rows; r += kGroup) {
+    LayerRowGroup<T, W, B, kGroup>(rows, r);
+  }
+  for (; r < rows.rows; ++r) LayerRowGroup<T, W, B, 1>(rows, r);
 }
 
 // BackwardDots of kRows rows at once, each row with its own accumulators, so every row's
@@ -542,6 +619,23 @@ void SetRmsRowsWeights(RmsRowsFn (&table)[3][2]) {
   if constexpr (!std::is_same_v<T, float>) SetRmsRows<T, kResidual, T>(table);
 }
 
+template <typename T, typename W, typename B>
+void SetLayerRows(LayerRowsFn (&table)[3][3]) {
+  for (const int pw : kParamSlots<T, W>) {
+    for (const int pb : kParamSlots<T, B>) {
+      if (pw >= 0 && pb >= 0) table[pw][pb] = &LayerRowsKernel<T, W, B>;
+    }
+  }
+}
+
+// Every weight type with bias type B.
+template <typename T, typename B>
+void SetLayerRowsWeights(LayerRowsFn (&table)[3][3]) {
+  SetLayerRows<T, void, B>(table);
+  SetLayerRows<T, float, B>(table);
+  if constexpr (!std::is_same_v<T, float>) SetLayerRows<T, T, B>(table);
+}
+
 template <typename T, bool kStream>
 void FillWriters(DTypeKernels* k) {
   // [centered][weight][bias]; RMSNorm has no bias, so [0][*][1 and 2] stay null. For fp32
@@ -576,6 +670,9 @@ void FillDType(DTypeKernels* k) {
   k->add_residual = &AddResidual<T>;
   SetRmsRowsWeights<T, false>(k->rms_rows[0]);
   SetRmsRowsWeights<T, true>(k->rms_rows[1]);
+  SetLayerRowsWeights<T, void>(k->layer_rows);
+  SetLayerRowsWeights<T, float>(k->layer_rows);
+  if constexpr (!std::is_same_v<T, float>) SetLayerRowsWeights<T, T>(k->layer_rows);
   k->backward_dots[0][0] = &BackwardDots<T, false, false>;
   k->backward_dots[0][1] = &BackwardDots<T, false, true>;
   k->backward_dots[1][0] = &BackwardDots<T, true, false>;

@@ -80,6 +80,22 @@ struct RmsRows {
 };
 using RmsRowsFn = void (*)(const RmsRows& rows);
 constexpr std::int64_t kMaxShortRow = 1024;
+// The LayerNorm counterpart of RmsRows: per row the bits of sum, then sum_squares[1], then
+// normalize (the statistics as the backend's compute_row_stats makes them from one chunk).
+// mean and rstd: one per row, or null.
+struct LayerRows {
+  const void* x;
+  std::int64_t x_stride;
+  void* y;
+  std::int64_t y_stride;
+  const void* w;
+  const void* b;
+  float eps;
+  float* mean;
+  float* rstd;
+  std::int64_t rows, n;
+};
+using LayerRowsFn = void (*)(const LayerRows& rows);
 // With x_hat = (x - mean) * rstd and g = dy [* w]: sum of g * x_hat, and (centered only)
 // sum of g.
 using BackwardDotsFn = void (*)(const void* dy, const void* x, const float* w, std::int64_t n,
@@ -132,6 +148,7 @@ struct DTypeKernels {
   // [stream][centered][weight ParamType][bias ParamType][offset_slot]
   NormalizeFn normalize[2][2][3][3][2];
   RmsRowsFn rms_rows[2][3][2];         // [fused residual add][weight ParamType][offset_slot]
+  LayerRowsFn layer_rows[3][3];        // [weight ParamType][bias ParamType]
   BackwardDotsFn backward_dots[2][2];  // [centered][weight]
   BackwardDotsPairFn backward_dots_pair[2][2];  // as backward_dots
   // [stream][centered][weight][dw][db][addend]; the addend variants are RMSNorm's only.

@@ -78,6 +78,9 @@ TEST(RowKernels, EveryTargetIsListedAndComplete) {
           for (int o = 0; o < 2; ++o) EXPECT_NE(k.rms_rows[residual][w][o], nullptr);
         }
       }
+      for (int w = 0; w < 3; ++w) {
+        for (int b = 0; b < 3; ++b) EXPECT_NE(k.layer_rows[w][b], nullptr);
+      }
       for (int s = 0; s < 2; ++s) {
         for (int c = 0; c < 2; ++c) {
           for (int w = 0; w < 3; ++w) {
@@ -323,6 +326,73 @@ TEST_P(RowKernelTest, RmsRowsMatchTheOneRowKernels) {
                         << "residual row " << r << ", element " << j;
                   }
                 }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The multi-row LayerNorm kernel gives every row the bits of the one-row path (sum, then
+// sum_squares[1] about the mean, each a one-chunk chunked_sum: 0.0f + the kernel's sum, then
+// normalize), whatever the rows it is grouped with: every row length up to 300 (every tail
+// and group remainder), row counts around the group size, odd strides, every weight and bias
+// type, and rows of -0.0, with an infinity, with a NaN.
+// mean and rstd are written per row; nothing outside the rows is.
+TEST_P(RowKernelTest, LayerRowsMatchTheOneRowKernels) {
+  for (const TargetKernels& t : targets()) {
+    const DTypeKernels& k = t.kernels.by_dtype[static_cast<int>(dtype())];
+    for (std::int64_t n = 1; n <= 300; n += (n < 40 ? 1 : 7)) {
+      for (const std::int64_t rows : {1, 4, 7, 9}) {
+        Rng rng(seed_for(current_test_name(), static_cast<int>(n * 16 + rows)));
+        const std::int64_t stride = n + 3;
+        Buffer x(dtype(), rows, n, stride);
+        fill_activations(x, rng, true);
+        if (rows >= 7) {
+          for (std::int64_t j = 0; j < n; ++j) x.set(4, j, -0.0);
+          x.set(5, n / 2, std::numeric_limits<double>::infinity());
+          x.set(6, n - 1, std::numeric_limits<double>::quiet_NaN());
+        }
+        const Params w = random_params(dtype(), n, rng, 1.0, 0.5);
+        const Params b = random_params(dtype(), n, rng, 0.0, 1.0);
+        for (int w_type = 0; w_type < 3; ++w_type) {
+          for (int b_type = 0; b_type < 3; ++b_type) {
+            SCOPED_TRACE(::testing::Message()
+                         << t.name << ", n " << n << ", rows " << rows << ", weight type " << w_type
+                         << ", bias type " << b_type);
+            const float eps = 1e-5f;
+            Buffer y(dtype(), rows, n, stride + 2);
+            Buffer mean = Buffer::floats(rows), rstd = Buffer::floats(rows);
+            const cpu::LayerRows block{
+                x.data(),          stride,         y.data(), stride + 2,
+                w.data(w_type),    b.data(b_type), eps,      mean.float_data(),
+                rstd.float_data(), rows,           n};
+            k.layer_rows[w_type][b_type](block);
+            ASSERT_TRUE(y.check_written("y"));
+            ASSERT_TRUE(mean.check_written("mean"));
+            ASSERT_TRUE(rstd.check_written("rstd"));
+            Buffer want_y(dtype(), 1, n);
+            const std::size_t esize = dtype_size(dtype());
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const void* row = static_cast<const char*>(x.data()) + r * stride * esize;
+              const auto count = static_cast<float>(n);
+              const float want_mean = (0.0f + k.sum(row, n)) / count;
+              const float want_rstd = cpu::rstd_from_mean_square(
+                  (0.0f + k.sum_squares[1](row, n, want_mean)) / count, eps);
+              ASSERT_EQ(detail::float_bits(mean.float_data()[r]), detail::float_bits(want_mean))
+                  << "mean of row " << r;
+              ASSERT_EQ(detail::float_bits(rstd.float_data()[r]), detail::float_bits(want_rstd))
+                  << "rstd of row " << r;
+              k.normalize[0][1][w_type][b_type][0](row, w.data(w_type), b.data(b_type),
+                                                   want_y.data(), n, want_mean, want_rstd, -0.0f);
+              for (std::int64_t j = 0; j < n; ++j) {
+                // A NaN from two NaN operands (the infinity's row: (inf - inf) * NaN rstd)
+                // is whichever operand the compiler put first in a commutative multiply, so
+                // only its NaN-ness is compared there.
+                if (std::isnan(y.at(r, j)) && std::isnan(want_y.at(0, j))) continue;
+                ASSERT_EQ(y.bits(r, j), want_y.bits(0, j)) << "row " << r << ", element " << j;
               }
             }
           }
