@@ -731,22 +731,26 @@ void store_floats(const float* values, std::int64_t n, Vector dst, std::int64_t 
     detail::store_from_float(dst.data, dst.dtype, offset + j, values[j]);
 }
 
-// dst (in the gradient's dtype) = sum over blocks of partials, added in block order.
-// Walks each column chunk block by block, so every pass is a contiguous, vectorizable run.
+// dst (in the gradient's dtype) = sum over blocks of partials, added in block order, by
+// column chunks across the threads (ColumnSums, row_kernels.h).
 void finish_column_sums(const float* partials, std::int64_t blocks, std::int64_t cols, Vector dst,
                         int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> total(static_cast<std::size_t>(std::min(cols, kReduceChunk)));
-#pragma omp for schedule(static)
-    for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
-      const std::int64_t n = std::min(cols - begin, kReduceChunk);
-      std::fill(total.begin(), total.begin() + n, 0.0f);
-      for (std::int64_t b = 0; b < blocks; ++b) {
-        const float* partial = partials + b * cols + begin;
-        for (std::int64_t j = 0; j < n; ++j) total[j] += partial[j];
-      }
-      store_floats(total.data(), n, dst, begin);
+  const bool simd =
+      dst.dtype == DType::kFloat32 || dst.dtype == DType::kFloat16 || dst.dtype == DType::kBFloat16;
+  const ColumnSumsFn column_sums =
+      simd ? row_kernels().by_dtype[static_cast<int>(dst.dtype)].column_sums : nullptr;
+  const std::size_t dst_size = dtype_size(dst.dtype);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
+    const std::int64_t n = std::min(cols - begin, kReduceChunk);
+    if (column_sums != nullptr) {
+      column_sums(partials + begin, blocks, cols, n, advance(dst.data, begin, dst_size));
+      continue;
+    }
+    for (std::int64_t j = 0; j < n; ++j) {
+      float total = 0.0f;
+      for (std::int64_t b = 0; b < blocks; ++b) total += partials[b * cols + begin + j];
+      detail::store_from_float(dst.data, dst.dtype, begin + j, total);
     }
   }
 }
