@@ -632,11 +632,28 @@ struct BackwardCall {
     *rstd = stats.rstd;
   }
 
-  void dots(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
-            float* g_xhat, float* g) const {
-    k.backward_dots[centered][weight.present()](
-        advance(dy_row(r), begin, esize), advance(x_row(r), begin, esize),
-        weight.present() ? weight.data() + begin : nullptr, n, mean, rstd, g_xhat, g);
+  // The sums of g * x_hat and g of kRows (1 or 2) consecutive rows from r over columns
+  // [begin, begin + n), with c[j]'s mean and rstd: each row's have the bits of a one-row
+  // call (BackwardDotsPairFn).
+  template <std::size_t kRows>
+  void chunk_dots(std::int64_t r, std::int64_t begin, std::int64_t n, const RowCoefficients* c,
+                  float* g_xhat, float* g) const {
+    static_assert(kRows == 1 || kRows == 2, "one-row and pair kernels only");
+    const float* w = weight.present() ? weight.data() + begin : nullptr;
+    if constexpr (kRows == 1) {
+      k.backward_dots[centered][weight.present()](advance(dy_row(r), begin, esize),
+                                                  advance(x_row(r), begin, esize), w, n, c[0].mean,
+                                                  c[0].rstd, g_xhat, g);
+    } else {
+      const BackwardDotRows<2> rows{
+          {advance(dy_row(r), begin, esize), advance(dy_row(r + 1), begin, esize)},
+          {advance(x_row(r), begin, esize), advance(x_row(r + 1), begin, esize)},
+          {c[0].mean, c[1].mean},
+          {c[0].rstd, c[1].rstd},
+          g_xhat,
+          g};
+      k.backward_dots_pair[centered][weight.present()](rows, w, n);
+    }
   }
 
   // Rows r and r + 1 can go through the pair kernels: their dx rows must share their
@@ -646,50 +663,22 @@ struct BackwardCall {
            (p.dx.row_stride * static_cast<std::int64_t>(esize)) % 64 == 0;
   }
 
-  // Row r's coefficients: its statistics, then its dots, chunk sums added in chunk order.
-  RowCoefficients coefficients(std::int64_t r) const {
-    RowCoefficients c;
-    row_stats(r, &c.mean, &c.rstd);
-    if (p.phase == Phase::kFromSums) {
-      sums_from_phase1(r, &c);
-      return c;
-    }
-    float sum_g_xhat = 0.0f, sum_g = 0.0f;
-    row_dots(r, c.mean, c.rstd, &sum_g_xhat, &sum_g);
-    c.mean_g = mean_of_sum(sum_g);
-    c.mean_g_xhat = mean_of_sum(sum_g_xhat);
-    return c;
-  }
+  static std::int64_t row(std::size_t j) { return static_cast<std::int64_t>(j); }
 
-  // The coefficients of rows r and r + 1, each with the bits of coefficients(): both rows'
-  // dots run in one pass, chunk by chunk, each row's chunk sums added in chunk order.
-  // Measured in the seventh session (docs/PERFORMANCE.md): the dots of one row are one chain
-  // of fused multiply-adds, bound by their latency.
-  void coefficients_pair(std::int64_t r, RowCoefficients (&c)[2]) const {
-    for (int j = 0; j < 2; ++j) row_stats(r + j, &c[j].mean, &c[j].rstd);
+  // The coefficients of kRows consecutive rows from r: their statistics, then their dots,
+  // each row's chunk sums added in chunk order. Two rows' dots run in one pass, each with the
+  // bits of the one-row case: the dots of one row are one chain of fused multiply-adds,
+  // bound by their latency (seventh session, docs/PERFORMANCE.md).
+  template <std::size_t kRows>
+  void coefficients(std::int64_t r, RowCoefficients (&c)[kRows]) const {
+    for (std::size_t j = 0; j < kRows; ++j) row_stats(r + row(j), &c[j].mean, &c[j].rstd);
     if (p.phase == Phase::kFromSums) {
-      for (int j = 0; j < 2; ++j) sums_from_phase1(r + j, &c[j]);
+      for (std::size_t j = 0; j < kRows; ++j) sums_from_phase1(r + row(j), &c[j]);
       return;
     }
-    float sum_g_xhat[2] = {0.0f, 0.0f}, sum_g[2] = {0.0f, 0.0f};
-    for (std::int64_t begin = 0; begin < p.cols(); begin += kReduceChunk) {
-      float g_xhat[2], g[2];
-      BackwardDotRows<2> rows{
-          {advance(dy_row(r), begin, esize), advance(dy_row(r + 1), begin, esize)},
-          {advance(x_row(r), begin, esize), advance(x_row(r + 1), begin, esize)},
-          {c[0].mean, c[1].mean},
-          {c[0].rstd, c[1].rstd},
-          g_xhat,
-          g};
-      k.backward_dots_pair[centered][weight.present()](
-          rows, weight.present() ? weight.data() + begin : nullptr,
-          std::min(kReduceChunk, p.cols() - begin));
-      for (int j = 0; j < 2; ++j) {
-        sum_g_xhat[j] += g_xhat[j];
-        sum_g[j] += g[j];
-      }
-    }
-    for (int j = 0; j < 2; ++j) {
+    float sum_g_xhat[kRows], sum_g[kRows];
+    rows_dots<kRows>(r, c, sum_g_xhat, sum_g);
+    for (std::size_t j = 0; j < kRows; ++j) {
       c[j].mean_g = mean_of_sum(sum_g[j]);
       c[j].mean_g_xhat = mean_of_sum(sum_g_xhat[j]);
     }
@@ -701,14 +690,18 @@ struct BackwardCall {
     c->mean_g_xhat = mean_of_sum(p.row_sum_g_xhat[r]);
   }
 
-  // Row r's sums of g * x_hat and g: chunk sums added in chunk order.
-  void row_dots(std::int64_t r, float mean, float rstd, float* sum_g_xhat, float* sum_g) const {
-    *sum_g_xhat = *sum_g = 0.0f;
+  // The sums of g * x_hat and g of kRows consecutive rows from r (c[j]'s mean and rstd):
+  // chunk sums added in chunk order.
+  template <std::size_t kRows>
+  void rows_dots(std::int64_t r, const RowCoefficients* c, float* sum_g_xhat, float* sum_g) const {
+    for (std::size_t j = 0; j < kRows; ++j) sum_g_xhat[j] = sum_g[j] = 0.0f;
     for (std::int64_t begin = 0; begin < p.cols(); begin += kReduceChunk) {
-      float g_xhat, g;
-      dots(r, begin, std::min(kReduceChunk, p.cols() - begin), mean, rstd, &g_xhat, &g);
-      *sum_g_xhat += g_xhat;
-      *sum_g += g;
+      float g_xhat[kRows], g[kRows];
+      chunk_dots<kRows>(r, begin, std::min(kReduceChunk, p.cols() - begin), c, g_xhat, g);
+      for (std::size_t j = 0; j < kRows; ++j) {
+        sum_g_xhat[j] += g_xhat[j];
+        sum_g[j] += g[j];
+      }
     }
   }
 
@@ -751,22 +744,26 @@ void store_floats(const float* values, std::int64_t n, Vector dst, std::int64_t 
     detail::store_from_float(dst.data, dst.dtype, offset + j, values[j]);
 }
 
-// dst (in the gradient's dtype) = sum over blocks of partials, added in block order.
-// Walks each column chunk block by block, so every pass is a contiguous, vectorizable run.
+// dst (in the gradient's dtype) = sum over blocks of partials, added in block order, by
+// column chunks across the threads (ColumnSums, row_kernels.h).
 void finish_column_sums(const float* partials, std::int64_t blocks, std::int64_t cols, Vector dst,
                         int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> total(static_cast<std::size_t>(std::min(cols, kReduceChunk)));
-#pragma omp for schedule(static)
-    for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
-      const std::int64_t n = std::min(cols - begin, kReduceChunk);
-      std::fill(total.begin(), total.begin() + n, 0.0f);
-      for (std::int64_t b = 0; b < blocks; ++b) {
-        const float* partial = partials + b * cols + begin;
-        for (std::int64_t j = 0; j < n; ++j) total[j] += partial[j];
-      }
-      store_floats(total.data(), n, dst, begin);
+  const bool simd =
+      dst.dtype == DType::kFloat32 || dst.dtype == DType::kFloat16 || dst.dtype == DType::kBFloat16;
+  const ColumnSumsFn column_sums =
+      simd ? row_kernels().by_dtype[static_cast<int>(dst.dtype)].column_sums : nullptr;
+  const std::size_t dst_size = dtype_size(dst.dtype);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
+    const std::int64_t n = std::min(cols - begin, kReduceChunk);
+    if (column_sums != nullptr) {
+      column_sums(partials + begin, blocks, cols, n, advance(dst.data, begin, dst_size));
+      continue;
+    }
+    for (std::int64_t j = 0; j < n; ++j) {
+      float total = 0.0f;
+      for (std::int64_t b = 0; b < blocks; ++b) total += partials[b * cols + begin + j];
+      detail::store_from_float(dst.data, dst.dtype, begin + j, total);
     }
   }
 }
@@ -784,18 +781,20 @@ void backward_rows(BackwardCall& call, int threads, float* dw_partials, float* d
     // Two rows at a time: the apply pass loads and stores the dw / db partials and loads
     // the weight once per pair instead of once per row. Measured at 16384 x 4096, one
     // thread: fp32 8 to 12 % faster, fp16 and bf16 1 to 4 %. The dots pass is paired too
-    // (coefficients_pair): two latency-bound chains side by side. (An earlier pairing was
+    // (coefficients<2>): two latency-bound chains side by side. (An earlier pairing was
     // measured 5 to 13 % slower for fp16 and bf16 while their dx was still streamed.)
     if (call.pairable()) {
       for (; r + 2 <= end; r += 2) {
         RowCoefficients c[2];
-        call.coefficients_pair(r, c);
+        call.coefficients<2>(r, c);
         call.apply_pair_rows(r, c, dw_acc, db_acc);
       }
     }
     for (; r < end; ++r) {
-      const RowCoefficients c = call.coefficients(r);
-      call.apply_chunk(r, 0, cols, c.mean, c.rstd, c.mean_g, c.mean_g_xhat, dw_acc, db_acc);
+      RowCoefficients c[1];
+      call.coefficients<1>(r, c);
+      call.apply_chunk(r, 0, cols, c[0].mean, c[0].rstd, c[0].mean_g, c[0].mean_g_xhat, dw_acc,
+                       db_acc);
     }
   });
   if (call.want_dw) finish_column_sums(dw_partials, blocks.count, cols, call.p.dw, threads);
@@ -817,8 +816,8 @@ void backward_split_rows(BackwardCall& call, int threads) {
     std::vector<float> g_xhat(static_cast<std::size_t>(rows * chunks)), g(g_xhat.size());
     parallel_for(threads, rows * chunks, [&](std::int64_t t) {
       const std::int64_t r = t / chunks, begin = (t % chunks) * kReduceChunk;
-      call.dots(r, begin, std::min(kReduceChunk, cols - begin), coef[r].mean, coef[r].rstd,
-                &g_xhat[t], &g[t]);
+      call.chunk_dots<1>(r, begin, std::min(kReduceChunk, cols - begin), &coef[r], &g_xhat[t],
+                         &g[t]);
     });
     for (std::int64_t r = 0; r < rows; ++r) {
       float sum_g_xhat = 0.0f, sum_g = 0.0f;
@@ -945,9 +944,10 @@ void backward(const BackwardProblem& p, int num_threads) {
     BackwardCall call(p, plan.threads);
     // One thread per row: few long rows are not split (the sums' bits are the same).
     parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
-      float mean, rstd, sum_g_xhat, sum_g;
-      call.row_stats(r, &mean, &rstd);
-      call.row_dots(r, mean, rstd, &sum_g_xhat, &sum_g);
+      RowCoefficients c;
+      float sum_g_xhat, sum_g;
+      call.row_stats(r, &c.mean, &c.rstd);
+      call.rows_dots<1>(r, &c, &sum_g_xhat, &sum_g);
       p.partial_sum_g_xhat[r] = sum_g_xhat;
       if (p.partial_sum_g != nullptr) p.partial_sum_g[r] = sum_g;
     });

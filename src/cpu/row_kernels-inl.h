@@ -561,6 +561,49 @@ void BackwardApplyPair(const BackwardRows<2>& rows, const float* w, float* dw_ac
                                                                           n);
 }
 
+// ColumnSumsFn: the backward's dw / db from its per-row-block fp32 partials. Four vectors
+// of columns at a time, each with its own register accumulator walking the blocks in order,
+// so no running total goes through memory; every column's terms are added in the scalar
+// loop's order. It replaced a loop that summed into a heap buffer and converted element by
+// element (detail::store_from_float): callgrind, rms_norm_backward 16 x 4096, one thread,
+// AVX2, per call: fp16 122 K -> 4.0 K instructions, bf16 69 K -> 9.5 K.
+template <typename T>
+void ColumnSums(const float* partials, int64_t blocks, int64_t stride, int64_t n, void* dst_ptr) {
+  using IO = ElementIO<T, NaNPayloads::kAny>;  // the partials' NaNs are not known narrow
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  T* dst = static_cast<T*>(dst_ptr);
+  int64_t j = 0;
+  for (; j + 4 * N <= n; j += 4 * N) {
+    VF acc0 = hn::Zero(df), acc1 = hn::Zero(df), acc2 = hn::Zero(df), acc3 = hn::Zero(df);
+    const float* p = partials + j;
+    for (int64_t b = 0; b < blocks; ++b, p += stride) {
+      acc0 = hn::Add(acc0, hn::LoadU(df, p));
+      acc1 = hn::Add(acc1, hn::LoadU(df, p + N));
+      acc2 = hn::Add(acc2, hn::LoadU(df, p + 2 * N));
+      acc3 = hn::Add(acc3, hn::LoadU(df, p + 3 * N));
+    }
+    IO::Store(df, acc0, dst + j);
+    IO::Store(df, acc1, dst + j + N);
+    IO::Store(df, acc2, dst + j + 2 * N);
+    IO::Store(df, acc3, dst + j + 3 * N);
+  }
+  for (; j + N <= n; j += N) {
+    VF acc = hn::Zero(df);
+    const float* p = partials + j;
+    for (int64_t b = 0; b < blocks; ++b, p += stride) acc = hn::Add(acc, hn::LoadU(df, p));
+    IO::Store(df, acc, dst + j);
+  }
+  if (j < n) {
+    const size_t rest = static_cast<size_t>(n - j);
+    VF acc = hn::Zero(df);
+    const float* p = partials + j;
+    for (int64_t b = 0; b < blocks; ++b, p += stride)
+      acc = hn::Add(acc, FloatTail(p, rest).Load(df));
+    Tail<T, NaNPayloads::kAny>(nullptr, rest).Store(df, acc, dst + j);
+  }
+}
+
 // ---- Table construction ----------------------------------------------------------------
 
 // One backward-apply variant into both tables (one row, two rows).
@@ -683,6 +726,7 @@ void FillDType(DTypeKernels* k) {
   k->backward_dots_pair[1][1] = &BackwardDotsPair<T, true, true>;
   FillWriters<T, false>(k);
   FillWriters<T, true>(k);
+  k->column_sums = &ColumnSums<T>;
 }
 
 // One dtype's table, defined by that dtype's translation unit (FillDType<T>) and called by

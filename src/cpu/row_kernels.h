@@ -141,6 +141,12 @@ struct BackwardRows {
 using BackwardApplyPairFn = void (*)(const BackwardRows<2>& rows, const float* w, float* dw_acc,
                                      float* db_acc, std::int64_t n);
 
+// dst[j] = sum over b < blocks of partials[b * stride + j], for j < n: each column's
+// terms added in block order to +0.0f, rounded once to the table's dtype (the gradient's
+// dtype, which may differ from the rows'), as detail::store_from_float rounds.
+using ColumnSumsFn = void (*)(const float* partials, std::int64_t blocks, std::int64_t stride,
+                              std::int64_t n, void* dst);
+
 struct DTypeKernels {
   SumFn sum;
   SumSquaresFn sum_squares[2];  // [centered]
@@ -154,6 +160,7 @@ struct DTypeKernels {
   // [stream][centered][weight][dw][db][addend]; the addend variants are RMSNorm's only.
   BackwardApplyFn backward_apply[2][2][2][2][2][2];
   BackwardApplyPairFn backward_apply_pair[2][2][2][2][2][2];  // as backward_apply
+  ColumnSumsFn column_sums;  // the backward's dw / db, stored in this dtype
 };
 
 // dst[0, bytes) = src[0, bytes), with non-temporal stores for every whole 64-byte line of

@@ -694,6 +694,49 @@ TEST_P(RowKernelTest, WideNaNPayloadsStayNaN) {
   }
 }
 
+// The backward's dw / db: each column's partials added in block order to +0.0f, rounded
+// once as detail::store_from_float rounds, bit for bit (this is what keeps dw independent
+// of the thread count), with NaN payloads, infinities, zeros of both signs and subnormals
+// among the partials; nothing written past n.
+TEST_P(RowKernelTest, ColumnSumsAddInBlockOrderAndRoundOnce) {
+  for (const TargetKernels& t : targets()) {
+    const cpu::ColumnSumsFn column_sums = t.kernels.by_dtype[static_cast<int>(dtype())].column_sums;
+    for (const std::int64_t n : kLengths) {
+      for (const std::int64_t blocks : {1, 2, 3, 7}) {
+        SCOPED_TRACE(::testing::Message() << t.name << ", n " << n << ", blocks " << blocks);
+        Rng rng(seed_for(current_test_name(), static_cast<int>(n * 16 + blocks)));
+        const std::int64_t stride = n + 5;  // rows of the partials are longer than n
+        std::vector<float> partials(static_cast<std::size_t>(blocks * stride));
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        std::uniform_int_distribution<int> kind(0, 15);
+        const float specials[] = {detail::bits_float(0x7fc01234u),  // payload in the low bits
+                                  detail::bits_float(0xff80ffffu),  // signalling, low bits
+                                  std::numeric_limits<float>::infinity(),
+                                  -std::numeric_limits<float>::infinity(),
+                                  -0.0f,
+                                  0.0f,
+                                  1e-40f,
+                                  65519.0f};
+        for (float& v : partials) {
+          const int k = kind(rng);
+          v = k < 8 ? specials[k] : normal(rng) * std::exp2(static_cast<float>(kind(rng) - 8));
+        }
+        Buffer dst = Buffer::vector_of(dtype(), n);
+        dst.poison();
+        column_sums(partials.data(), blocks, stride, n, dst.data());
+        ASSERT_TRUE(dst.check_written("dst"));
+        Buffer expected = Buffer::vector_of(dtype(), n);
+        for (std::int64_t j = 0; j < n; ++j) {
+          float total = 0.0f;
+          for (std::int64_t b = 0; b < blocks; ++b) total += partials[b * stride + j];
+          detail::store_from_float(expected.data(), dtype(), j, total);
+          ASSERT_EQ(dst.bits(0, j), expected.bits(0, j)) << "column " << j;
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllDTypes, RowKernelTest, ::testing::ValuesIn(kAllDTypes),
                          dtype_param_name);
 
