@@ -697,7 +697,7 @@ TEST_P(RowKernelTest, WideNaNPayloadsStayNaN) {
 // The backward's dw / db: each column's partials added in block order to +0.0f, rounded
 // once as detail::store_from_float rounds, bit for bit (this is what keeps dw independent
 // of the thread count), with NaN payloads, infinities, zeros of both signs and subnormals
-// among the partials; nothing written past n.
+// among the partials; nothing written past n. A NaN column only has to stay NaN.
 TEST_P(RowKernelTest, ColumnSumsAddInBlockOrderAndRoundOnce) {
   for (const TargetKernels& t : targets()) {
     const cpu::ColumnSumsFn column_sums = t.kernels.by_dtype[static_cast<int>(dtype())].column_sums;
@@ -730,7 +730,14 @@ TEST_P(RowKernelTest, ColumnSumsAddInBlockOrderAndRoundOnce) {
           float total = 0.0f;
           for (std::int64_t b = 0; b < blocks; ++b) total += partials[b * stride + j];
           detail::store_from_float(expected.data(), dtype(), j, total);
-          ASSERT_EQ(dst.bits(0, j), expected.bits(0, j)) << "column " << j;
+          if (std::isnan(total)) {
+            // Which NaN an addition of two NaNs returns is not fixed by IEEE 754: x86
+            // returns its first source, and the compiler may swap the operands of either
+            // loop (the sanitized build's reference did). Any NaN is the right answer.
+            ASSERT_TRUE(std::isnan(dst.at(j))) << "column " << j << " is " << dst.at(j);
+          } else {
+            ASSERT_EQ(dst.bits(0, j), expected.bits(0, j)) << "column " << j;
+          }
         }
       }
     }
