@@ -738,33 +738,32 @@ struct BackwardCall {
   }
 };
 
-// dst[offset, offset + n) = values, rounded once to dst's dtype.
-void store_floats(const float* values, std::int64_t n, Vector dst, std::int64_t offset) {
-  for (std::int64_t j = 0; j < n; ++j)
-    detail::store_from_float(dst.data, dst.dtype, offset + j, values[j]);
+// dst[offset, offset + n) = sum over b < blocks of partials[b * stride + j], added in block
+// order to +0.0f and rounded once to dst's dtype: the SIMD ColumnSums (row_kernels.h) for
+// the kernels' dtypes, a scalar loop with the same order otherwise.
+void store_column_sums(const float* partials, std::int64_t blocks, std::int64_t stride,
+                       std::int64_t n, Vector dst, std::int64_t offset) {
+  if (dst.dtype == DType::kFloat32 || dst.dtype == DType::kFloat16 ||
+      dst.dtype == DType::kBFloat16) {
+    row_kernels().by_dtype[static_cast<int>(dst.dtype)].column_sums(
+        partials, blocks, stride, n, advance(dst.data, offset, dtype_size(dst.dtype)));
+    return;
+  }
+  for (std::int64_t j = 0; j < n; ++j) {
+    float total = 0.0f;
+    for (std::int64_t b = 0; b < blocks; ++b) total += partials[b * stride + j];
+    detail::store_from_float(dst.data, dst.dtype, offset + j, total);
+  }
 }
 
 // dst (in the gradient's dtype) = sum over blocks of partials, added in block order, by
-// column chunks across the threads (ColumnSums, row_kernels.h).
+// column chunks across the threads.
 void finish_column_sums(const float* partials, std::int64_t blocks, std::int64_t cols, Vector dst,
                         int threads) {
-  const bool simd =
-      dst.dtype == DType::kFloat32 || dst.dtype == DType::kFloat16 || dst.dtype == DType::kBFloat16;
-  const ColumnSumsFn column_sums =
-      simd ? row_kernels().by_dtype[static_cast<int>(dst.dtype)].column_sums : nullptr;
-  const std::size_t dst_size = dtype_size(dst.dtype);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
-    const std::int64_t n = std::min(cols - begin, kReduceChunk);
-    if (column_sums != nullptr) {
-      column_sums(partials + begin, blocks, cols, n, advance(dst.data, begin, dst_size));
-      continue;
-    }
-    for (std::int64_t j = 0; j < n; ++j) {
-      float total = 0.0f;
-      for (std::int64_t b = 0; b < blocks; ++b) total += partials[b * cols + begin + j];
-      detail::store_from_float(dst.data, dst.dtype, begin + j, total);
-    }
+    store_column_sums(partials + begin, blocks, cols, std::min(cols - begin, kReduceChunk), dst,
+                      begin);
   }
 }
 
@@ -854,8 +853,10 @@ void backward_split_rows(BackwardCall& call, int threads) {
         for (std::int64_t j = 0; j < static_cast<std::int64_t>(total_db.size()); ++j)
           total_db[j] += block_db[j];
       }
-      if (call.want_dw) store_floats(total_dw.data(), n, call.p.dw, begin);
-      if (call.want_db) store_floats(total_db.data(), n, call.p.db, begin);
+      // One block of finished sums: total is never -0.0f (it starts at +0.0f), so adding it
+      // to +0.0f changes nothing and this only rounds, as the scalar store did.
+      if (call.want_dw) store_column_sums(total_dw.data(), 1, n, n, call.p.dw, begin);
+      if (call.want_db) store_column_sums(total_db.data(), 1, n, n, call.p.db, begin);
     }
     store_fence();  // dx may have been streamed
   }
