@@ -111,6 +111,8 @@ def _gemm_operand_set(m: int, k: int, n: int, skip: set):
         cands["scaled_mm_fp8"] = lambda: torch._scaled_mm(
             x_8, w_8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
         )
+    for name in skip - {"fp32_matmul"}:  # the baseline of every ratio always runs
+        cands.pop(name, None)
     ref = (x_q.double() @ w_q.double().t()) * w_scale.double() * token_scale.double()
     errors = {}
     for name, fn in cands.items():
@@ -142,7 +144,7 @@ def run_gemm_table(args):
           f"{args.weight_sets} weight set(s) cycled")
     print(f"{'M':>5} {'candidate':<14} {'ms':>10} {'x fp32':>8} {'rel err':>9}")
     for m in args.tokens:
-        skip = set()
+        skip = set(args.skip)
         if m > args.slow_max_tokens:
             skip |= {"int_mm", "bf16_matmul", "scaled_mm_fp8"}
         cands, errors = gemm_candidates(m, args.hidden, args.hidden, skip, args.weight_sets)
@@ -151,7 +153,8 @@ def run_gemm_table(args):
             print(f"{m:>5} {name:<14} {ms:>10.2f} {times['fp32_matmul'] / ms:>8.2f} "
                   f"{errors[name]:>9.1e}")
         for name in sorted(skip):
-            print(f"{m:>5} {name:<14} {'not run':>10}  (M > --slow-max-tokens)")
+            why = "--skip" if name in args.skip else "M > --slow-max-tokens"
+            print(f"{m:>5} {name:<14} {'not run':>10}  ({why})")
 
 
 def _decoder_layer(hidden: int, intermediate: int, heads: int):
@@ -257,6 +260,9 @@ def main(argv=None):
                    "(4 x 16 MB of int8 weights at hidden 4096 exceed a 32 MB L3)")
     p.add_argument("--slow-max-tokens", type=int, default=64,
                    help="largest M for the fallback GEMMs (_int_mm, bf16, fp8: seconds each)")
+    p.add_argument("--skip", default="",
+                   help="gemm table: candidates not to run (comma-separated), e.g. onednn_s8, "
+                   "which took seconds per call at M >= 16 on AVX-512")
     p.add_argument("--bf16-max-tokens", type=int, default=1,
                    help="largest token count for the bf16 layer (a fallback GEMM on AVX2)")
     p.add_argument("--w8a8-onednn", action="store_true",
@@ -265,6 +271,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.norm_rows = [int(t) for t in args.norm_rows.split(",")]
+    args.skip = {name for name in args.skip.split(",") if name}
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tables = args.tables.split(",")
