@@ -12,7 +12,10 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 
 # ccache: step 5 builds the Python extension, which compiles the library's sources again;
-# with the same flags as step 1 (FUSEDNORM_WERROR below) they come from the cache.
+# with the same flags as step 1 (FUSEDNORM_WERROR below) they come from the cache. The cache
+# lives outside the checkout (CCACHE_DIR, default ~/.cache/fusednorm-ccache) and is keyed
+# on paths relative to it (CCACHE_BASEDIR), so a fresh clone on a machine that ran the
+# tests before (CI) compiles only what changed, the CUDA sources (nvcc) included.
 if ! command -v ccache >/dev/null; then
   sudo_cmd=""
   [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
@@ -20,7 +23,8 @@ if ! command -v ccache >/dev/null; then
       $sudo_cmd apt-get install -y -qq ccache >/dev/null; } || echo "test: no ccache (builds uncached)"
 fi
 if command -v ccache >/dev/null; then
-  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_DIR="$PWD/build/ccache" CCACHE_BASEDIR="$PWD"
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache \
+    CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/fusednorm-ccache}" CCACHE_BASEDIR="$PWD"
   ccache --zero-stats >/dev/null
 fi
 
