@@ -1,6 +1,11 @@
 #include "cpu/cpu_backend.h"
 
 #include <omp.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#include <unistd.h>
+#define FUSEDNORM_HAVE_MINCORE 1
+#endif
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -8,7 +13,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/quantize.h"
@@ -143,24 +150,56 @@ const char* stream_override() {
   static const char* const override_bytes = std::getenv("FUSEDNORM_STREAM_MIN_BYTES");
   return override_bytes;
 }
-bool large_output(std::int64_t rows, std::int64_t cols, DType dtype) {
+// Transparent huge pages are zeroed 2 MiB at a time, mostly out of the cache, so a fresh
+// output on them is streamed like any other (measured: ordinary stores there were up to
+// 20 % slower). With THP "always" any large mapping may get them. With "madvise" only the
+// regions that ask, and which those are cannot be asked cheaply; the allocators seen give
+// them page-aligned data (torch with THP_MEM_ALLOC_ENABLE=1: 0x...4000), while glibc's
+// malloc, posix_memalign and torch's default allocator put large blocks just past a
+// header inside the first page (0x...010, 0x...040). So with "madvise" a page-aligned
+// output counts as possibly huge.
+bool may_get_huge_pages(const void* data) {
+  enum class Thp { kAlways, kMadvise, kNever };
+  static const Thp mode = [] {
+    std::ifstream file("/sys/kernel/mm/transparent_hugepage/enabled");
+    std::string line;
+    std::getline(file, line);  // e.g. "always [madvise] never"
+    if (line.find("[never]") != std::string::npos) return Thp::kNever;
+    if (line.find("[madvise]") != std::string::npos) return Thp::kMadvise;
+    return Thp::kAlways;  // also when unreadable: streaming, as before this check
+  }();
+  constexpr std::uintptr_t kSmallPage = 4096;
+  return mode == Thp::kAlways ||
+         (mode == Thp::kMadvise && reinterpret_cast<std::uintptr_t>(data) % kSmallPage == 0);
+}
+
+// Whether out gets non-temporal stores: at least the threshold's bytes, in memory already
+// touched or on huge pages. A fresh output's small pages come zeroed through the cache,
+// where ordinary stores finish them and non-temporal ones write every line twice (fp32
+// forward from PyTorch, fresh outputs, 2 threads: 8-19 % faster; docs/PERFORMANCE.md,
+// "ninth session").
+bool large_output(const Matrix& out) {
   static const std::size_t min_bytes =
       stream_override() ? static_cast<std::size_t>(std::strtoull(stream_override(), nullptr, 10))
                         : kDefaultStreamMinBytes;
-  return static_cast<std::size_t>(rows * cols) * dtype_size(dtype) >= min_bytes;
+  const std::size_t esize = dtype_size(out.dtype);
+  if (static_cast<std::size_t>(out.rows * out.cols) * esize < min_bytes) return false;
+  if (stream_override() != nullptr) return true;
+  const auto span = static_cast<std::size_t>((out.rows - 1) * out.row_stride + out.cols) * esize;
+  return may_get_huge_pages(out.data) || !untouched_memory(out.data, span);
 }
-bool stream_output(std::int64_t rows, std::int64_t cols, DType dtype) {
-  const std::size_t row_bytes = static_cast<std::size_t>(cols) * dtype_size(dtype);
+bool stream_output(const Matrix& out) {
+  const std::size_t row_bytes = static_cast<std::size_t>(out.cols) * dtype_size(out.dtype);
   if (stream_override() == nullptr && row_bytes < kMinStreamRowBytes) return false;
-  return large_output(rows, cols, dtype);
+  return large_output(out);
 }
 // The backward's dx: streamed as stream_output says for fp32 rows only. Half-precision dx
 // rows went out faster through ordinary stores at every size measured (AVX2, see
 // docs/PERFORMANCE.md, "seventh session"). FUSEDNORM_STREAM_MIN_BYTES, when set, still
 // decides alone, so the tests keep running the streamed half kernels through this path.
-bool stream_backward_dx(std::int64_t rows, std::int64_t cols, DType dtype) {
-  if (stream_override() == nullptr && dtype != DType::kFloat32) return false;
-  return stream_output(rows, cols, dtype);
+bool stream_backward_dx(const Matrix& dx) {
+  if (stream_override() == nullptr && dx.dtype != DType::kFloat32) return false;
+  return stream_output(dx);
 }
 
 // Chunked reduction over columns [0, cols) of one row, in the fixed order shared with the
@@ -225,7 +264,7 @@ struct ForwardCall {
         k(row_kernels().by_dtype[static_cast<int>(problem.x.dtype)]),
         esize(dtype_size(problem.x.dtype)),
         centered(problem.kind == NormKind::kLayer),
-        stream(stream_output(problem.rows(), problem.cols(), problem.x.dtype)),
+        stream(stream_output(problem.y)),
         weight_type(param_type(problem.weight)),
         bias_type(param_type(problem.bias)),
         weight_offset(kernel_weight_offset(centered ? 0.0f : problem.weight_offset)) {}
@@ -386,8 +425,7 @@ void forward_short_rows(const ForwardCall& call, int threads) {
       call.k.rms_rows[p.has_residual()][call.weight_type][offset_slot(call.weight_offset)];
   const LayerRowsFn layer_fn = call.k.layer_rows[call.weight_type][call.bias_type];
   const std::size_t row_bytes = static_cast<std::size_t>(p.cols()) * call.esize;
-  const bool staged = p.y.row_stride == p.cols() && row_bytes <= kStagingBytes &&
-                      large_output(p.rows(), p.cols(), p.x.dtype);
+  const bool staged = p.y.row_stride == p.cols() && row_bytes <= kStagingBytes && large_output(p.y);
   const std::int64_t rows_per_task =
       staged ? static_cast<std::int64_t>(kStagingBytes / row_bytes) : kShortRowsPerTask;
   const StreamCopyFn stream_copy = row_kernels().stream_copy;
@@ -488,7 +526,7 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const auto elements = static_cast<std::size_t>(p.rows() * cols);
   const std::size_t bytes = elements * (esize * (p.has_residual() ? 3 : 1) + 1);
   const ThreadPlan plan = plan_threads(p.rows(), cols, bytes, num_threads);
-  const bool stream = large_output(p.rows(), cols, p.q.dtype);
+  const bool stream = large_output(p.q);
   const StreamCopyFn stream_copy = row_kernels().stream_copy;
   parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
     alignas(64) float y[kQuantStagingFloats];
@@ -589,7 +627,7 @@ struct BackwardCall {
         centered(problem.kind == NormKind::kLayer),
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),
-        stream(stream_backward_dx(problem.rows(), problem.cols(), problem.x.dtype)),
+        stream(stream_backward_dx(problem.dx)),
         apply(k.backward_apply[stream][centered][weight.present()][want_dw][want_db]
                               [problem.has_addend()]),
         apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]
@@ -869,6 +907,31 @@ void zero_vector(Vector v) {
 }
 
 }  // namespace
+
+bool untouched_memory(const void* data, std::size_t bytes) {
+#ifdef FUSEDNORM_HAVE_MINCORE
+  static const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  // Whole pages only, and not the first: an allocator keeps its header just before the
+  // data, on that page. Three samples: the second page, the middle one, the last whole one.
+  const std::uintptr_t first = (begin + page - 1) / page * page + page;
+  const std::uintptr_t last = (begin + bytes) / page * page;  // one past the last whole page
+  if (data == nullptr || last < first + page) return false;
+  const std::uintptr_t pages = (last - first) / page;
+  for (const std::uintptr_t index : {std::uintptr_t{0}, pages / 2, pages - 1}) {
+    unsigned char resident = 0;
+    if (mincore(reinterpret_cast<void*>(first + index * page), page, &resident) != 0 ||
+        (resident & 1) != 0) {
+      return false;
+    }
+  }
+  return true;
+#else
+  (void)data;
+  (void)bytes;
+  return false;
+#endif
+}
 
 RowBlocks row_blocks(std::int64_t rows) {
   const std::int64_t count =

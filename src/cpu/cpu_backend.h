@@ -39,4 +39,11 @@ struct ThreadPlan {
 ThreadPlan plan_threads(std::int64_t rows, std::int64_t cols, std::size_t bytes_moved,
                         int requested_threads);
 
+// Whether no page of [data, data + bytes) is resident yet, judged from a few sampled pages
+// (mincore; false off Linux): memory just mapped for an output, as
+// glibc's malloc maps large allocations (a fresh torch.empty). Its pages are mapped on the
+// first store, zeroed through the cache, so a large output there is written with ordinary
+// stores instead of non-temporal ones, unless it may be on huge pages (exposed for tests).
+bool untouched_memory(const void* data, std::size_t bytes);
+
 }  // namespace fusednorm::cpu

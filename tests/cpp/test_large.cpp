@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpu/cpu_backend.h"
 #include "test_util.h"
 
 namespace fusednorm::test {
@@ -238,6 +239,57 @@ TEST(Large, SixtyFourBitRowOffsets) {
   }
   EXPECT_TRUE(x.check("x (input)"));
   EXPECT_TRUE(dy.check("dy (input)"));
+}
+
+// A fresh anonymous mapping is untouched until a store reaches one of its sampled pages;
+// the first page (where an allocator keeps its header) is not sampled.
+TEST(Large, UntouchedMemoryIsMemoryNoStoreHasReached) {
+  const std::size_t bytes = std::size_t{8} << 20;
+  void* const mapped =
+      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  // Small pages, whatever the THP mode: a huge page would make a store's neighbours resident.
+  madvise(mapped, bytes, MADV_NOHUGEPAGE);
+  char* const p = static_cast<char*>(mapped);
+  EXPECT_TRUE(cpu::untouched_memory(p, bytes));
+  p[0] = 1;
+  EXPECT_TRUE(cpu::untouched_memory(p, bytes)) << "the first page is the allocator's";
+  p[bytes / 2] = 1;
+  EXPECT_FALSE(cpu::untouched_memory(p, bytes)) << "the middle page was written";
+  EXPECT_TRUE(cpu::untouched_memory(p + bytes / 2 + 4096, bytes / 4)) << "a range past it";
+  p[bytes - 1] = 1;
+  EXPECT_FALSE(cpu::untouched_memory(p + bytes / 2 + 4096, bytes / 2 - 4096)) << "its last page";
+  munmap(mapped, bytes);
+  std::vector<char> touched(bytes, 0);
+  EXPECT_FALSE(cpu::untouched_memory(touched.data(), bytes));
+  EXPECT_FALSE(cpu::untouched_memory(nullptr, bytes));
+  EXPECT_FALSE(cpu::untouched_memory(p, 4096)) << "no whole page past the first";
+}
+
+// Large outputs take ordinary stores in untouched memory and non-temporal ones elsewhere:
+// the same bits either way, every element written, nothing past the view.
+TEST(Large, FreshAndTouchedOutputsGetTheSameBits) {
+  const std::int64_t rows = 2048, cols = 4096;  // fp32 32 MiB, bf16 16 MiB: both streamed
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(dtype_str(dtype));
+    Rng rng(seed_for(current_test_name(), static_cast<int>(dtype)));
+    Buffer x(dtype, rows, cols);
+    fill_activations(x, rng, true);
+    const Buffer w = make_weight(WeightKind::kSame, dtype, cols, rng, 1.0);
+    const std::size_t bytes = static_cast<std::size_t>(rows * cols) * dtype_size(dtype);
+    std::vector<char> touched(bytes + 64, 0x5a);
+    void* const mapped =
+        mmap(nullptr, bytes + 2 * 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(mapped, MAP_FAILED);
+    char* const fresh = static_cast<char*>(mapped) + 64;  // not page-aligned, as from malloc
+    ASSERT_TRUE(cpu::untouched_memory(fresh, bytes));
+    rms_norm({}, x.cmatrix(), w.cvector(), {fresh, dtype, rows, cols, cols}, nullptr);
+    rms_norm({}, x.cmatrix(), w.cvector(), {touched.data(), dtype, rows, cols, cols}, nullptr);
+    EXPECT_EQ(std::memcmp(fresh, touched.data(), bytes), 0);
+    EXPECT_EQ(touched[bytes], 0x5a);
+    EXPECT_EQ(fresh[bytes], 0) << "written past the view";
+    munmap(mapped, bytes + 2 * 4096);
+  }
 }
 
 }  // namespace
