@@ -7,6 +7,31 @@
 
 namespace fusednorm::detail {
 
+// Half-open byte range [begin, end) a view touches; empty when it has no rows.
+struct ByteRange {
+  std::uintptr_t begin = 0;
+  std::uintptr_t end = 0;
+  std::size_t bytes() const { return end - begin; }
+  bool overlaps(const ByteRange& other) const {
+    return begin < end && other.begin < other.end && begin < other.end && other.begin < end;
+  }
+};
+
+inline ByteRange byte_range(const void* data, DType dtype, std::int64_t rows, std::int64_t stride,
+                            std::int64_t cols) {
+  if (rows == 0 || data == nullptr) return {};
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const auto elements = static_cast<std::uintptr_t>((rows - 1) * stride + cols);
+  return {begin, begin + elements * dtype_size(dtype)};
+}
+
+inline ByteRange byte_range(const ConstMatrix& m) {
+  return byte_range(m.data, m.dtype, m.rows, m.row_stride, m.cols);
+}
+inline ByteRange byte_range(const ConstVector& v) {
+  return byte_range(v.data, v.dtype, 1, 0, v.size);
+}
+
 enum class NormKind { kRms, kLayer };
 
 // The weight offset as both backends add it: without one, -0.0f, which leaves every value,

@@ -17,27 +17,6 @@ bool valid_dtype(DType dtype) {
          dtype == DType::kFloat64;
 }
 
-// Half-open byte range [begin, end) a matrix touches; empty when it has no rows.
-struct ByteRange {
-  std::uintptr_t begin = 0;
-  std::uintptr_t end = 0;
-  bool overlaps(const ByteRange& other) const {
-    return begin < end && other.begin < other.end && begin < other.end && other.begin < end;
-  }
-};
-
-ByteRange byte_range(const void* data, DType dtype, std::int64_t rows, std::int64_t stride,
-                     std::int64_t cols) {
-  if (rows == 0 || data == nullptr) return {};
-  const auto begin = reinterpret_cast<std::uintptr_t>(data);
-  const auto elements = static_cast<std::uintptr_t>((rows - 1) * stride + cols);
-  return {begin, begin + elements * dtype_size(dtype)};
-}
-
-ByteRange byte_range(const ConstMatrix& m) {
-  return byte_range(m.data, m.dtype, m.rows, m.row_stride, m.cols);
-}
-ByteRange byte_range(const ConstVector& v) { return byte_range(v.data, v.dtype, 1, 0, v.size); }
 ByteRange float_range(const float* data, std::int64_t rows) {
   return byte_range(data, DType::kFloat32, rows, 1, 1);
 }

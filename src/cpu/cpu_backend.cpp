@@ -185,8 +185,8 @@ bool large_output(const Matrix& out) {
   const std::size_t esize = dtype_size(out.dtype);
   if (static_cast<std::size_t>(out.rows * out.cols) * esize < min_bytes) return false;
   if (stream_override() != nullptr) return true;
-  const auto span = static_cast<std::size_t>((out.rows - 1) * out.row_stride + out.cols) * esize;
-  return may_get_huge_pages(out.data) || !untouched_memory(out.data, span);
+  return may_get_huge_pages(out.data) ||
+         !untouched_memory(out.data, detail::byte_range(out).bytes());
 }
 bool stream_output(const Matrix& out) {
   const std::size_t row_bytes = static_cast<std::size_t>(out.cols) * dtype_size(out.dtype);
