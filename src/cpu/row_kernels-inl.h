@@ -211,8 +211,18 @@ HWY_INLINE float SumSquaresOfRow(DF df, const T* x, int64_t n, float center) {
   auto load = [&](auto full, int64_t i, size_t count) {
     return deviation(LoadElements(full, df, x + i, count));
   };
-  VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
+  VF acc0 = hn::Zero(df), acc1 = hn::Zero(df), acc2 = hn::Zero(df), acc3 = hn::Zero(df);
   int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    const auto [a, b] = MakePair<kPairLayout<T>>(load, i, N);
+    const auto [a2, b2] = MakePair<kPairLayout<T>>(load, i + 2 * N, N);
+    acc0 = hn::MulAdd(a, a, acc0);
+    acc1 = hn::MulAdd(b, b, acc1);
+    acc2 = hn::MulAdd(a2, a2, acc2);
+    acc3 = hn::MulAdd(b2, b2, acc3);
+  }
+  acc0 = hn::Add(acc0, acc2);
+  acc1 = hn::Add(acc1, acc3);
   for (; i + 2 * N <= n; i += 2 * N) {
     const auto [a, b] = MakePair<kPairLayout<T>>(load, i, N);
     acc0 = hn::MulAdd(a, a, acc0);
@@ -248,16 +258,23 @@ HWY_INLINE float AddResidualOfRow(DF df, const T* x, T* residual, int64_t n) {
     return hn::Add(LoadElements(full, df, x + i, count),
                    LoadElements(full, df, residual + i, count));
   };
-  VF acc0 = hn::Zero(df), acc1 = hn::Zero(df);
+  VF acc0 = hn::Zero(df), acc1 = hn::Zero(df), acc2 = hn::Zero(df), acc3 = hn::Zero(df);
   int64_t i = 0;
-  for (; i + 2 * N <= n; i += 2 * N) {
-    const auto [first, second] = MakePair<kPairLayout<T>>(sum, i, N);
-    StorePair<T, NaNPayloads::kNarrow, kPairLayout<T>>(df, first, second, residual + i);
+  auto add_pair = [&](int64_t at, VF& even_acc, VF& odd_acc) {
+    const auto [first, second] = MakePair<kPairLayout<T>>(sum, at, N);
+    StorePair<T, NaNPayloads::kNarrow, kPairLayout<T>>(df, first, second, residual + at);
     // Normalize what was stored.
     const VF a = IO::RoundTrip(df, first), b = IO::RoundTrip(df, second);
-    acc0 = hn::MulAdd(a, a, acc0);
-    acc1 = hn::MulAdd(b, b, acc1);
+    even_acc = hn::MulAdd(a, a, even_acc);
+    odd_acc = hn::MulAdd(b, b, odd_acc);
+  };
+  for (; i + 4 * N <= n; i += 4 * N) {
+    add_pair(i, acc0, acc1);
+    add_pair(i + 2 * N, acc2, acc3);
   }
+  acc0 = hn::Add(acc0, acc2);
+  acc1 = hn::Add(acc1, acc3);
+  for (; i + 2 * N <= n; i += 2 * N) add_pair(i, acc0, acc1);
   for (; i + N <= n; i += N) {
     const VF v = sum(Full(), i, N);
     IO::Store(df, v, residual + i);
