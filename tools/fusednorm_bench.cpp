@@ -217,8 +217,18 @@ class CopyProbe {
         [](unsigned char* d, const unsigned char* s, std::size_t n) { std::memcpy(d, s, n); });
   }
   double streaming_seconds() { return time(&streaming_copy); }
+  // x's size read and nothing written (a sum of its 64-bit words), with the same threads:
+  // the ceiling of an operator that mostly reads (the quantized norms read 2-4 bytes per
+  // byte written), which a copy's read + write rate overstates on machines whose cores
+  // read alone slower than they copy (AVX2 Zen 2 VM, 2 threads: 16-20 GB/s read-only
+  // against 23-28 GB/s of a non-temporal copy's reads + writes; docs/PERFORMANCE.md,
+  // "tenth session").
+  double read_seconds() { return time(&read_words); }
   double gbps(double seconds) const {
     return 2.0 * static_cast<double>(src_.size()) / seconds / 1e9;
+  }
+  double read_gbps(double seconds) const {
+    return static_cast<double>(src_.size()) / seconds / 1e9;
   }
 
  private:
@@ -239,6 +249,22 @@ class CopyProbe {
     std::memcpy(dst, src, n);
 #endif
   }
+
+  static void read_words(unsigned char* /*dst*/, const unsigned char* src, std::size_t n) {
+    // Four independent sums so that the adds never limit the loads.
+    std::uint64_t sum[4] = {0, 0, 0, 0};
+    std::size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      for (int k = 0; k < 4; ++k) {
+        std::uint64_t word;
+        std::memcpy(&word, src + i + 8 * k, 8);
+        sum[k] += word;
+      }
+    }
+    for (; i < n; ++i) sum[0] += src[i];
+    read_sink.fetch_add(sum[0] + sum[1] + sum[2] + sum[3], std::memory_order_relaxed);
+  }
+  static inline std::atomic<std::uint64_t> read_sink{0};
 
   template <typename CopyFn>
   double time(CopyFn copy) {
@@ -261,8 +287,8 @@ struct Result {
   Result(std::string op_name, std::string impl_name)
       : op(std::move(op_name)), impl(std::move(impl_name)) {}
   std::string op, impl;
-  double median_us = 0, gbps = 0, pct_of_memcpy = 0, memcpy_gbps = 0, max_abs_err = 0,
-         error_limit = 0;
+  double median_us = 0, gbps = 0, pct_of_memcpy = 0, memcpy_gbps = 0, read_gbps = 0,
+         max_abs_err = 0, error_limit = 0;
   std::size_t extra_bytes = 0;
   std::string note;
 };
@@ -341,10 +367,11 @@ class Bench {
     const std::size_t before = g_allocated_bytes.load();
     fn();
     r.extra_bytes = g_allocated_bytes.load() - before;
-    std::vector<double> times, memcpy_times, streaming_times;
+    std::vector<double> times, memcpy_times, streaming_times, read_times;
     for (int i = 0; i < o_.repeat; ++i) {
       memcpy_times.push_back(memcpy_->memcpy_seconds());
       streaming_times.push_back(memcpy_->streaming_seconds());
+      read_times.push_back(memcpy_->read_seconds());
       const auto start = Clock::now();
       fn();
       times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
@@ -354,6 +381,7 @@ class Bench {
     r.gbps = bytes_moved / seconds / 1e9;
     r.memcpy_gbps = memcpy_->gbps(std::min(median(memcpy_times), median(streaming_times)));
     r.pct_of_memcpy = 100.0 * r.gbps / r.memcpy_gbps;
+    r.read_gbps = memcpy_->read_gbps(median(read_times));
     results_.push_back(r);
   }
 
@@ -654,10 +682,11 @@ int main(int argc, char** argv) {
           "{\"op\": \"%s\", \"impl\": \"%s\", \"dtype\": \"%s\", \"rows\": %lld, \"D\": %lld, "
           "\"threads\": %d, \"target\": \"%s\", \"median_us\": %.3f, \"gbps\": %.3f, "
           "\"pct_of_memcpy\": %.1f, "
-          "\"max_abs_err\": %.3g, \"extra_bytes\": %zu, \"memcpy_gbps\": %.3f}\n",
+          "\"max_abs_err\": %.3g, \"extra_bytes\": %zu, \"memcpy_gbps\": %.3f, "
+          "\"read_gbps\": %.3f}\n",
           r.op.c_str(), r.impl.c_str(), dtype_name(o.dtype), static_cast<long long>(o.rows),
           static_cast<long long>(o.dim), threads, target, r.median_us, r.gbps, r.pct_of_memcpy,
-          r.max_abs_err, r.extra_bytes, r.memcpy_gbps);
+          r.max_abs_err, r.extra_bytes, r.memcpy_gbps, r.read_gbps);
     }
     return ok ? 0 : 1;
   }
@@ -668,22 +697,22 @@ int main(int argc, char** argv) {
   std::printf(
       "GB/s counts the bytes that must move (each input read once, each output written once);\n"
       "memcpy: x's size copied with the same threads between the runs of each case; the faster of\n"
-      "glibc memcpy and a non-temporal-store copy.\n\n");
+      "glibc memcpy and a non-temporal-store copy (GB/s of its reads + writes); read: x's size\n"
+      "read alone with the same threads, the ceiling of operators that mostly read.\n\n");
   std::printf(
       "| op                    | impl     | median µs |   GB/s | memcpy GB/s | %% of memcpy | "
-      "extra "
-      "bytes | max abs err (limit)    |\n");
+      "read GB/s | extra bytes | max abs err (limit)    |\n");
   std::printf(
       "|-----------------------|----------|-----------|--------|-------------|-------------|-------"
-      "--"
-      "----|------------------------|\n");
+      "----|-------------|------------------------|\n");
   for (const auto& r : results) {
-    std::printf("| %-21s | %-8s | %9.1f | %6.1f | %11.1f | %10.1f%% | %11zu | %.2e (%.1e) %-4s |\n",
-                r.op.c_str(), r.impl.c_str(), r.median_us, r.gbps, r.memcpy_gbps, r.pct_of_memcpy,
-                r.extra_bytes, r.max_abs_err, r.error_limit,
-                r.max_abs_err <= r.error_limit ? "ok"
-                : r.impl == "fused"            ? "FAIL"
-                                               : "over");
+    std::printf(
+        "| %-21s | %-8s | %9.1f | %6.1f | %11.1f | %10.1f%% | %9.1f | %11zu | %.2e (%.1e) %-4s |\n",
+        r.op.c_str(), r.impl.c_str(), r.median_us, r.gbps, r.memcpy_gbps, r.pct_of_memcpy,
+        r.read_gbps, r.extra_bytes, r.max_abs_err, r.error_limit,
+        r.max_abs_err <= r.error_limit ? "ok"
+        : r.impl == "fused"            ? "FAIL"
+                                       : "over");
   }
   for (const auto& r : results) {
     if (!r.note.empty())

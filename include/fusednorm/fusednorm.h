@@ -172,7 +172,8 @@ void rms_norm_backward(const Context& ctx, ConstMatrix dy, ConstMatrix x, ConstV
 //   q dtype kFloat8E4M3: round to nearest even in E4M3FN (subnormals included), saturate
 //                        to +-448 (+-Inf too); NaN -> the canonical NaN 0x7f.
 // Scales (fp32, on ctx's device):
-//   static:  scale[r] = *static_scale for every row; finite and > 0. A pointer, so that a
+//   static:  scale[r] = *static_scale for every row; finite and above about 2^-128 (so that
+//            1 / scale is finite: 0 * Inf would be NaN). A pointer, so that a
 //            CUDA graph replays with a new value. (The CPU checks the value; CUDA cannot
 //            without a synchronisation and does not.)
 //   dynamic per token (static_scale == nullptr): amax[r] = max_j |y[r, j]| over the row's

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <sstream>
 #include <string>
 
@@ -434,6 +435,12 @@ const float* one_fp32(const char* op, const char* argument, const OptTensor& t,
   const float* data = t->data_ptr<float>();
   if (t->is_cpu() && !(std::isfinite(*data) && *data > 0.0f)) {
     fail(op, argument, "must be finite and > 0, got " + std::to_string(*data));
+  }
+  // A static scale multiplies as its reciprocal (fusednorm.h), which must be finite.
+  if (t->is_cpu() && std::strcmp(argument, "scale") == 0 && !std::isfinite(1.0f / *data)) {
+    fail(op, argument,
+         "must exceed about 2.94e-39 (2^-128) so that 1 / scale is finite in fp32, got " +
+             std::to_string(*data));
   }
   return data;
 }

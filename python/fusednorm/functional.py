@@ -214,7 +214,8 @@ def rms_norm_quant(
     * ``torch.float8_e4m3fn``: round to nearest even, saturated to +-448; NaN stays NaN.
 
     ``scale``: a one-element fp32 tensor on x's device: static quantization, returned as
-    given. Its value must be finite and > 0: checked on the CPU; on CUDA it is not (reading
+    given. Its value must be finite and above about 2.94e-39 (2^-128: its fp32 reciprocal,
+    by which y is multiplied, must be finite): checked on the CPU; on CUDA it is not (reading
     it would synchronize with the device, and a CUDA graph replays it with new values).
     ``scale=None``: dynamic per token: ``scale[r] = max(amax_r / qmax, min_scale)``, fp32 of
     shape ``x.shape[:-1] + (1,)``, with amax_r the largest |y| of the row over its non-NaN

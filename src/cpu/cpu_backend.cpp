@@ -517,9 +517,12 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const QuantScale& scale = p.quant_scale;
   const bool dynamic = scale.static_scale == nullptr;
   const float static_inv_scale = dynamic ? 0.0f : 1.0f / *scale.static_scale;
-  // Static mode needs no amax: y goes straight to q, without the staging buffer (step 2).
+  // Static mode needs no amax: y goes straight to q, without the staging buffer (step 2),
+  // for the rows whose y cannot be NaN (quant_kernels.h): a finite weight, inv_scale and
+  // rstd, and a finite sum of squares. Other rows take steps 2 and 3.
   const NormalizeQuantizeFn normalize_quantize =
-      !dynamic && (weight == nullptr || prepare)
+      !dynamic && (weight == nullptr || prepare) && std::isfinite(static_inv_scale) &&
+              (weight == nullptr || qk.all_finite(static_cast<const float*>(weight), cols))
           ? qk.normalize_quantize[static_cast<int>(dtype)][weight != nullptr]
                                  [quant_index(p.q.dtype)]
           : nullptr;
@@ -558,8 +561,8 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
         done += count;
       }
     };
-    if (normalize_quantize != nullptr) {
-      // Static scale, no weight or a prepared one: q straight from the row.
+    if (normalize_quantize != nullptr && std::isfinite(sum_squares) && std::isfinite(rstd)) {
+      // Static scale, no weight or a prepared one, no NaN: q straight from the row.
       for (std::int64_t begin = 0; begin < cols;) {
         const std::int64_t n = stream ? std::min<std::int64_t>(cols - begin, kStagingBytes) : cols;
         const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);

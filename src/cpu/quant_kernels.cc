@@ -107,21 +107,46 @@ using DI = hn::RebindToSigned<DF>;
 using DU = hn::RebindToUnsigned<DF>;
 using VI = hn::Vec<DI>;
 
-// kInRange: the caller knows every v is finite with |v| <= 127 * (1 + 2^-20) (quant_kernels.h),
-// so neither the NaN select nor the clamp can change a result and both are skipped.
-template <bool kInRange>
+// What a quantizer may assume of its values v (quant_kernels.h): kAny: nothing; kNoNaN: no
+// NaN (Inf and out-of-range values saturate); kInRange: finite with
+// |v| <= qmax * (1 + 2^-20). Each assumption drops the work that could not change a result.
+enum class QuantRange { kAny, kNoNaN, kInRange };
+
+// Rounding to nearest even: x86's cvtps2dq rounds as MXCSR says (nearest even unless a caller
+// changed it, which the fp32 arithmetic before it obeys too), and its out-of-range result,
+// INT32_MIN, saturates to -128 in the narrowing packs, right for v < -2^31, so only
+// v > 127 needs a clamp. Two instructions per vector (min, convert) where the clamp to
+// [-128, 127] and the 1.5 * 2^23 addition below took four: static i8, fp32 rows, AVX2
+// (docs/PERFORMANCE.md, "tenth session"). Other targets add 1.5 * 2^23, which rounds
+// |v| <= 128 to an integer, to nearest even, and leaves the sum in [2^23, 2^24), where the
+// fp32 ulp is 1: the sum's bits minus the constant's are that integer.
+#undef FUSEDNORM_QUANT_CVT
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR
+#define FUSEDNORM_QUANT_CVT 1
+#else
+#define FUSEDNORM_QUANT_CVT 0
+#endif
+
+template <QuantRange kRange>
 HWY_INLINE VI QuantizeInt8(DF df, VF v) {
+  if constexpr (kRange == QuantRange::kAny) v = hn::IfThenZeroElse(hn::IsNaN(v), v);
+#if FUSEDNORM_QUANT_CVT
+  if constexpr (kRange != QuantRange::kInRange) v = hn::Min(v, hn::Set(df, 127.0f));
+#if HWY_TARGET <= HWY_AVX3
+  return VI{_mm512_cvtps_epi32(v.raw)};
+#elif HWY_TARGET == HWY_AVX2
+  return VI{_mm256_cvtps_epi32(v.raw)};
+#else
+  return VI{_mm_cvtps_epi32(v.raw)};
+#endif
+#else
   const DI di;
-  if constexpr (!kInRange) {
-    v = hn::IfThenZeroElse(hn::IsNaN(v), v);
+  if constexpr (kRange != QuantRange::kInRange) {
     v = hn::Min(hn::Max(v, hn::Set(df, -128.0f)), hn::Set(df, 127.0f));
   }
-  // Adding 1.5 * 2^23 rounds |v| <= 128 to an integer, to nearest even, and leaves the sum in
-  // [2^23, 2^24), where the fp32 ulp is 1: the sum's bits minus the constant's are that
-  // integer. (Subtracting the constant in fp32 and converting cost five more instructions
-  // per vector on AVX2: Highway's ConvertTo guards against out-of-range values.)
   const VF magic = hn::Set(df, 12582912.0f);
   return hn::Sub(hn::BitCast(di, hn::Add(v, magic)), hn::Set(di, 0x4b400000));
+#endif
 }
 
 // One formula for normal and subnormal E4M3 values: with a = min(|v|, 448) and
@@ -134,10 +159,11 @@ HWY_INLINE VI QuantizeInt8(DF df, VF v) {
 // below 2^-126, which quantize to 0 anyway). 15 vector operations on AVX2: with StoreBytes4,
 // QuantizeFloats went from 3.45 (three selects, one vector per store) to 2.39 instructions
 // per element (callgrind; docs/PERFORMANCE.md, sixth session).
-// kInRange (quant_kernels.h): no NaN, and |v| <= 448 * (1 + 2^-20) < 464 rounds to at most
-// 448's code by the formula itself, so the NaN select and the clamp are skipped.
-template <bool kInRange>
+// kInRange: |v| <= 448 * (1 + 2^-20) < 464 rounds to at most 448's code by the formula
+// itself, so the clamp is skipped; kNoNaN and kInRange skip the NaN select.
+template <QuantRange kRange>
 HWY_INLINE VI QuantizeE4M3(DF df, VF v) {
+  constexpr bool kInRange = kRange == QuantRange::kInRange;
   const DI di;
   const DU du;
   const auto bits = hn::BitCast(di, v);
@@ -153,17 +179,17 @@ HWY_INLINE VI QuantizeE4M3(DF df, VF v) {
   const auto sign =
       hn::BitCast(di, hn::And(hn::ShiftRight<24>(hn::BitCast(du, bits)), hn::Set(du, 0x80u)));
   const auto code = hn::Or(sign, magnitude);
-  if constexpr (kInRange) return code;
+  if constexpr (kRange != QuantRange::kAny) return code;
   // NaN: the canonical 0x7f, sign dropped (quantize.h, as CUDA's conversions).
   return hn::IfThenElse(hn::Gt(abs_bits, hn::Set(di, 0x7f800000)), hn::Set(di, 0x7f), code);
 }
 
-template <bool kFp8, bool kInRange = false>
+template <bool kFp8, QuantRange kRange>
 HWY_INLINE VI Quantize(DF df, VF v) {
   if constexpr (kFp8) {
-    return QuantizeE4M3<kInRange>(df, v);
+    return QuantizeE4M3<kRange>(df, v);
   } else {
-    return QuantizeInt8<kInRange>(df, v);
+    return QuantizeInt8<kRange>(df, v);
   }
 }
 
@@ -207,14 +233,14 @@ HWY_INLINE void StoreBytes4(VI a, VI b, VI c, VI d, uint8_t* p) {
 #endif
 }
 
-template <bool kFp8, bool kInRange>
+template <bool kFp8, QuantRange kRange>
 void QuantizeFloats(const float* y, void* q_ptr, int64_t n, float inv_scale) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   auto* q = static_cast<uint8_t*>(q_ptr);
   const VF vinv = hn::Set(df, inv_scale);
   auto quantized = [&](int64_t i) {
-    return Quantize<kFp8, kInRange>(df, hn::Mul(hn::LoadU(df, y + i), vinv));
+    return Quantize<kFp8, kRange>(df, hn::Mul(hn::LoadU(df, y + i), vinv));
   };
   int64_t i = 0;
   for (; i + 4 * N <= n; i += 4 * N) {
@@ -226,20 +252,22 @@ void QuantizeFloats(const float* y, void* q_ptr, int64_t n, float inv_scale) {
     const auto rest = static_cast<size_t>(n - i);
     const VF v = hn::Mul(LoadElements(Partial(), df, y + i, rest), vinv);
     HWY_ALIGN uint8_t staged[HWY_MAX_BYTES / sizeof(float)];
-    StoreBytes<kFp8>(Quantize<kFp8, kInRange>(df, v), staged);
+    StoreBytes<kFp8>(Quantize<kFp8, kRange>(df, v), staged);
     std::memcpy(q + i, staged, rest);
   }
 }
 
 // Static scale: q = quantize(y * inv_scale) straight from x, y never stored (W: void or
 // PreparedWeight). The same operations as NormalizeAmax then QuantizeFloats, so the same bits.
+// The caller guarantees that no y * inv_scale is NaN (quant_kernels.h), so the quantizer
+// skips the NaN select.
 // (A function, not a lambda: GCC did not inline the lambda holding the E4M3 quantizer, which
 // cost 1.6 times the instructions.)
 template <typename T, typename W, bool kFp8>
 HWY_INLINE VI QuantizedElements(DF df, const T* x, const void* w, int64_t i, VF vrstd, VF vinv) {
   // (voffset: only read for an unprepared weight)
   const VF y = NormalizedElements<T, W>(Full(), df, x, w, i, hn::Lanes(df), vrstd, vrstd);
-  return Quantize<kFp8>(df, hn::Mul(y, vinv));
+  return Quantize<kFp8, QuantRange::kNoNaN>(df, hn::Mul(y, vinv));
 }
 
 template <typename T, typename W, bool kFp8>
@@ -264,9 +292,26 @@ void NormalizeQuantize(const void* x_ptr, const void* w, void* q_ptr, int64_t n,
     const auto rest = static_cast<size_t>(n - i);
     const VF y = NormalizedElements<T, W>(Partial(), df, x, w, i, rest, vrstd, vrstd);
     HWY_ALIGN uint8_t staged[HWY_MAX_BYTES / sizeof(float)];
-    StoreBytes<kFp8>(Quantize<kFp8>(df, hn::Mul(y, vinv)), staged);
+    StoreBytes<kFp8>(Quantize<kFp8, QuantRange::kNoNaN>(df, hn::Mul(y, vinv)), staged);
     std::memcpy(q + i, staged, rest);
   }
+}
+
+// Whether every v[j] is finite: the largest magnitude's bits below Inf's (NaNs' exceed them).
+bool AllFinite(const float* v, int64_t n) {
+  const DF df;
+  const DI di;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const auto abs_mask = hn::Set(di, 0x7fffffff);
+  auto acc = hn::Zero(di);
+  int64_t i = 0;
+  for (; i + N <= n; i += N)
+    acc = hn::Max(acc, hn::And(hn::BitCast(di, hn::LoadU(df, v + i)), abs_mask));
+  if (i < n) {
+    const VF rest = LoadElements(Partial(), df, v + i, static_cast<size_t>(n - i));  // padding: 0
+    acc = hn::Max(acc, hn::And(hn::BitCast(di, rest), abs_mask));
+  }
+  return hn::GetLane(hn::MaxOfLanes(di, acc)) < 0x7f800000;
 }
 
 // ---- Table construction ----------------------------------------------------------------
@@ -304,10 +349,11 @@ void FillQuantKernels(QuantKernels* k) {
   SetNormalizeAmaxDType<float>(k, DType::kFloat32);
   SetNormalizeAmaxDType<hwy::float16_t>(k, DType::kFloat16);
   SetNormalizeAmaxDType<hwy::bfloat16_t>(k, DType::kBFloat16);
-  k->quantize[0] = &QuantizeFloats<false, false>;
-  k->quantize[1] = &QuantizeFloats<true, false>;
-  k->quantize_in_range[0] = &QuantizeFloats<false, true>;
-  k->quantize_in_range[1] = &QuantizeFloats<true, true>;
+  k->quantize[0] = &QuantizeFloats<false, QuantRange::kAny>;
+  k->quantize[1] = &QuantizeFloats<true, QuantRange::kAny>;
+  k->quantize_in_range[0] = &QuantizeFloats<false, QuantRange::kInRange>;
+  k->quantize_in_range[1] = &QuantizeFloats<true, QuantRange::kInRange>;
+  k->all_finite = &AllFinite;
   k->target_name = hwy::TargetName(HWY_TARGET);
 }
 

@@ -26,7 +26,11 @@ struct RowAmax {
 using NormalizeAmaxFn = RowAmax (*)(const void* x, const void* w, float* y, std::int64_t n,
                                     float rstd, float w_offset);
 // Static scale: q[j] = quantize(y[j] * inv_scale) with y[j] as NormalizeAmaxFn computes it,
-// never stored; w: none or prepared (normalize_amax_prepared's), j < n.
+// never stored; w: none or prepared (normalize_amax_prepared's), j < n. For rows where no
+// y[j] * inv_scale can be NaN (skips the NaN select): x, rstd, the prepared weight and
+// inv_scale all finite, as they are when the row's sum of squares is finite (x^2 would
+// overflow first) and all_finite holds for the weight (a y that overflows to Inf
+// saturates). Other rows go through normalize_amax and quantize.
 using NormalizeQuantizeFn = void (*)(const void* x, const void* w, void* q, std::int64_t n,
                                      float rstd, float inv_scale);
 // q[j] = quantize(y[j] * inv_scale) with quantize.h's saturating conversion, j < n.
@@ -47,6 +51,7 @@ struct QuantKernels {
   QuantizeFn quantize_in_range[2];
   // [x DType][0: no weight, 1: prepared weight][quant_index]
   NormalizeQuantizeFn normalize_quantize[3][2][2];
+  bool (*all_finite)(const float* v, std::int64_t n);
   const char* target_name;
 };
 

@@ -420,6 +420,46 @@ TEST(Quant, ZeroNaNAndInfRows) {
   }
 }
 
+// Static mode quantizes rows straight from x only when no y * inv_scale can be NaN
+// (quant_kernels.h); a NaN or Inf weight element must send the rows through the staged path,
+// with the reference's q, and the smallest scales saturate.
+TEST(Quant, StaticScaleWithNonFiniteWeightOrReciprocal) {
+  Rng rng(seed_for(current_test_name(), 0));
+  for (const DType dtype : kAllDTypes) {
+    const std::int64_t rows = 6, cols = 70;  // more than two rows: the weight is prepared
+    Buffer x(dtype, rows, cols);
+    fill_activations(x, rng, false);
+    for (std::int64_t j = 0; j < cols; j += 3) x.set(4, j, 0.0);  // zeros meet the Inf below
+    for (const WeightKind kind : {WeightKind::kNone, WeightKind::kSame, WeightKind::kFloat32}) {
+      for (const double bad : {std::numeric_limits<double>::quiet_NaN(),
+                               std::numeric_limits<double>::infinity(), 1.0}) {
+        if (kind == WeightKind::kNone && bad != 1.0) continue;
+        Buffer w = make_weight(kind, dtype, cols, rng, 1.0);
+        if (bad != 1.0) w.set(0, 9, bad);
+        for (const DType q_dtype : kQDTypes) {
+          // 3e-39: 1 / scale near FLT_MAX, so y * (1 / scale) overflows to Inf and saturates.
+          for (const float static_scale : {0.02f, 3e-39f}) {
+            if (bad != 1.0 && static_scale != 0.02f) continue;
+            Case k;
+            k.q_dtype = q_dtype;
+            k.mode = Mode::kStatic;
+            k.q_stride = cols;
+            k.static_scale = static_scale;
+            SCOPED_TRACE(::testing::Message() << weight_kind_str(kind) << ", w[9] = " << bad
+                                              << ", scale " << static_scale);
+            const QuantCall got = check_case(k, x, Buffer(), w);
+            if (bad != 1.0) {
+              const std::uint8_t nan_q = q_dtype == DType::kInt8 ? 0 : 0x7f;
+              // A NaN weight makes y[9] NaN in every row; an Inf one, where x[9] is 0.
+              EXPECT_EQ(got.q.at(4, 9), nan_q);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Quant, ZeroRowsIsANoOp) {
   float scales[1] = {-1.0f};
   const float one = 1.0f;
@@ -624,6 +664,15 @@ TEST_F(QuantErrors, ScaleValues) {
                                  {}, qm(), {nullptr, scales.data(), &upper_bound}),
         "argument 'scale.scale_upper_bound'", "finite and > 0");
   }
+  // Positive and finite, but its reciprocal is Inf (q = y * (1 / scale)).
+  static_scale = 1e-39f;
+  EXPECT_FUSEDNORM_ERROR(rms_norm_quant({}, xm(), {}, qm(), fixed()),
+                         "argument 'scale.static_scale'", "1 / scale is finite");
+  static_scale = 0x1p-128f;  // 1 / 2^-128 = 2^128 > FLT_MAX
+  EXPECT_FUSEDNORM_ERROR(rms_norm_quant({}, xm(), {}, qm(), fixed()),
+                         "argument 'scale.static_scale'", "1 / scale is finite");
+  static_scale = 3e-39f;  // 1 / scale is about 3.3e38: accepted
+  EXPECT_NO_THROW(rms_norm_quant({}, xm(), {}, qm(), fixed()));
 }
 
 TEST_F(QuantErrors, Overlap) {

@@ -240,6 +240,7 @@ def test_bad_input_errors():
     _raises("argument 'scale'.*float32", lambda: f(x, w, scale=torch.ones(1, dtype=torch.float64)))
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         _raises("argument 'scale'.*finite and > 0", lambda: f(x, w, scale=torch.tensor([bad])))
+    _raises("argument 'scale'.*1 / scale is finite", lambda: f(x, w, scale=torch.tensor([1e-39])))
     one = torch.ones(1)
     _raises("argument 'scale_ub'.*static", lambda: f(x, w, scale=one, scale_ub=one))
     _raises("argument 'scale_ub'.*finite", lambda: f(x, w, scale_ub=torch.tensor([-1.0])))
