@@ -455,47 +455,59 @@ void LayerRowsKernel(const LayerRows& rows) {
 }
 
 // BackwardDots of kRows rows at once, each row with its own accumulators, so every row's
-// sums are added in the one-row order and have its bits. Each row's sum is one chain of
-// fused multiply-adds, bound by their latency (4 cycles on Zen 3 for 8 elements); two rows
-// run two chains side by side.
+// sums are added in the one-row order and have its bits. Each row's sums run as two chains
+// of fused multiply-adds (even and odd vectors), as the forward's sums of squares do: one
+// chain was bound by the multiply-add latency (4 cycles on Zen 3, 5 on Zen 2, for 8
+// elements); two rows run four chains side by side.
 template <typename T, bool kCentered, bool kWeight, size_t kRows>
 void BackwardDotsRows(const BackwardDotRows<kRows>& rows, const float* w, int64_t n) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   std::array<const T*, kRows> dy, x;
-  std::array<VF, kRows> vmean, vrstd, acc_g_xhat, acc_g;
+  std::array<VF, kRows> vmean, vrstd;
+  // [chain][row]
+  std::array<std::array<VF, kRows>, 2> acc_g_xhat, acc_g;
   for (size_t k = 0; k < kRows; ++k) {
     dy[k] = static_cast<const T*>(rows.dy[k]);
     x[k] = static_cast<const T*>(rows.x[k]);
     vmean[k] = hn::Set(df, rows.mean[k]);
     vrstd[k] = hn::Set(df, rows.rstd[k]);
-    acc_g_xhat[k] = hn::Zero(df);
-    acc_g[k] = hn::Zero(df);
-  }
-  auto accumulate = [&](size_t k, VF dyv, VF xv, VF wv) {
-    const VF g = kWeight ? hn::Mul(dyv, wv) : dyv;
-    const VF xhat = hn::Mul(kCentered ? hn::Sub(xv, vmean[k]) : xv, vrstd[k]);
-    acc_g_xhat[k] = hn::MulAdd(g, xhat, acc_g_xhat[k]);
-    if (kCentered) acc_g[k] = hn::Add(acc_g[k], g);
-  };
-  int64_t i = 0;
-  for (; i + N <= n; i += N) {
-    const VF wv = kWeight ? hn::LoadU(df, w + i) : hn::Zero(df);
-    for (size_t k = 0; k < kRows; ++k) {
-      accumulate(k, ElementIO<T>::Load(df, dy[k] + i), ElementIO<T>::Load(df, x[k] + i), wv);
+    for (size_t c = 0; c < 2; ++c) {
+      acc_g_xhat[c][k] = hn::Zero(df);
+      acc_g[c][k] = hn::Zero(df);
     }
   }
+  auto accumulate = [&](size_t c, size_t k, VF dyv, VF xv, VF wv) {
+    const VF g = kWeight ? hn::Mul(dyv, wv) : dyv;
+    const VF xhat = hn::Mul(kCentered ? hn::Sub(xv, vmean[k]) : xv, vrstd[k]);
+    acc_g_xhat[c][k] = hn::MulAdd(g, xhat, acc_g_xhat[c][k]);
+    if (kCentered) acc_g[c][k] = hn::Add(acc_g[c][k], g);
+  };
+  auto vector_at = [&](size_t c, int64_t at) {
+    const VF wv = kWeight ? hn::LoadU(df, w + at) : hn::Zero(df);
+    for (size_t k = 0; k < kRows; ++k) {
+      accumulate(c, k, ElementIO<T>::Load(df, dy[k] + at), ElementIO<T>::Load(df, x[k] + at), wv);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    vector_at(0, i);
+    vector_at(1, i + N);
+  }
+  for (; i + N <= n; i += N) vector_at(0, i);
   if (i < n) {
     // dy's padding lanes are zero, so g and g * x_hat vanish there.
     const size_t rest = static_cast<size_t>(n - i);
     const VF wv = kWeight ? FloatTail(w + i, rest).Load(df) : hn::Zero(df);
     for (size_t k = 0; k < kRows; ++k) {
-      accumulate(k, Tail<T>(dy[k] + i, rest).Load(df), Tail<T>(x[k] + i, rest).Load(df), wv);
+      accumulate(1, k, Tail<T>(dy[k] + i, rest).Load(df), Tail<T>(x[k] + i, rest).Load(df), wv);
     }
   }
   for (size_t k = 0; k < kRows; ++k) {
-    rows.sum_g_xhat[k] = hn::GetLane(hn::SumOfLanes(df, acc_g_xhat[k]));
-    rows.sum_g[k] = kCentered ? hn::GetLane(hn::SumOfLanes(df, acc_g[k])) : 0.0f;
+    rows.sum_g_xhat[k] =
+        hn::GetLane(hn::SumOfLanes(df, hn::Add(acc_g_xhat[0][k], acc_g_xhat[1][k])));
+    rows.sum_g[k] =
+        kCentered ? hn::GetLane(hn::SumOfLanes(df, hn::Add(acc_g[0][k], acc_g[1][k]))) : 0.0f;
   }
 }
 
