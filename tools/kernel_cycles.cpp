@@ -1,0 +1,105 @@
+// fusednorm-kernel-cycles: the per-row CPU kernels of the quantized norm and the sums they
+// start from, each timed alone on one row that stays in L1 (one thread), in ns per element
+// and in cycles per 8 elements at the clock a chain of dependent adds measures. What a pass
+// costs in compute, apart from memory: fusednorm-bench times the operators end to end.
+//   fusednorm-kernel-cycles [D]    (default D = 4096; FUSEDNORM_CPU_TARGET picks the target)
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cpu/quant_kernels.h"
+#include "cpu/row_kernels.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Best of 30 rounds of 200 calls, in ns per element.
+template <typename Fn>
+double ns_per_element(Fn fn, std::int64_t n) {
+  double best = 1e30;
+  for (int round = 0; round < 30; ++round) {
+    const auto start = Clock::now();
+    for (int call = 0; call < 200; ++call) fn();
+    const double ns = std::chrono::duration<double, std::nano>(Clock::now() - start).count();
+    best = std::min(best, ns / 200 / static_cast<double>(n));
+  }
+  return best;
+}
+
+// GHz from a chain of dependent integer adds (one per cycle on every x86 core); 0 elsewhere.
+double measured_ghz() {
+#if defined(__x86_64__)
+  const std::uint64_t adds = 400000000;
+  std::uint64_t v = 0;
+  const auto start = Clock::now();
+  for (std::uint64_t i = 0; i < adds / 8; ++i) {
+    asm volatile(
+        "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
+        "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0"
+        : "+r"(v));
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return static_cast<double>(adds) / seconds / 1e9;
+#else
+  return 0.0;
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace fusednorm;
+  const std::int64_t n = argc > 1 ? std::atoll(argv[1]) : 4096;
+  if (n <= 0) {
+    std::fprintf(stderr, "fusednorm-kernel-cycles: D must be > 0\n");
+    return 1;
+  }
+  const cpu::QuantKernels& qk = cpu::quant_kernels();
+  const cpu::DTypeKernels& f32 = cpu::row_kernels().by_dtype[static_cast<int>(DType::kFloat32)];
+  // Values inside int8's and E4M3's ranges after the 3x scaling below, so that every
+  // quantizer takes its ordinary path.
+  std::vector<float> x(n), w(n, 1.01f), y(n);
+  std::vector<std::uint8_t> q(n);
+  for (std::int64_t j = 0; j < n; ++j) x[j] = static_cast<float>(j % 97) * 0.01f - 0.4f;
+  const float rstd = 0.9f, inv_scale = 3.0f;
+  volatile float sink = 0.0f;
+  const double ghz = measured_ghz();
+  std::printf("fusednorm-kernel-cycles: fp32 rows, D = %lld, one thread, in L1; CPU SIMD target %s",
+              static_cast<long long>(n), qk.target_name);
+  if (ghz > 0) std::printf("; clock %.2f GHz (dependent adds)", ghz);
+  std::printf("\n\n| kernel | ns / element | cycles / 8 elements |\n|---|---:|---:|\n");
+  auto report = [&](const char* name, double ns) {
+    std::printf("| %s | %.3f | %.2f |\n", name, ns, ns * ghz * 8);
+  };
+  report("sum_squares",
+         ns_per_element([&] { sink = sink + f32.sum_squares[0](x.data(), n, 0.0f); }, n));
+  report("normalize_amax (prepared weight)",
+         ns_per_element(
+             [&] {
+               sink =
+                   sink +
+                   qk.normalize_amax_prepared[0](x.data(), w.data(), y.data(), n, rstd, 0.0f).amax;
+             },
+             n));
+  const char* q_names[2] = {"int8", "e4m3"};
+  for (int qi = 0; qi < 2; ++qi) {
+    char name[96];
+    std::snprintf(name, sizeof name, "quantize %s", q_names[qi]);
+    report(name, ns_per_element([&] { qk.quantize[qi](y.data(), q.data(), n, inv_scale); }, n));
+    std::snprintf(name, sizeof name, "quantize_in_range %s", q_names[qi]);
+    report(name,
+           ns_per_element([&] { qk.quantize_in_range[qi](y.data(), q.data(), n, inv_scale); }, n));
+    std::snprintf(name, sizeof name, "normalize_quantize %s (prepared weight)", q_names[qi]);
+    report(name, ns_per_element(
+                     [&] {
+                       qk.normalize_quantize[0][1][qi](x.data(), w.data(), q.data(), n, rstd,
+                                                       inv_scale);
+                     },
+                     n));
+  }
+  return 0;
+}
