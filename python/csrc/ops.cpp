@@ -27,6 +27,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/quantize.h"
 #include "cpu/row_kernels.h"
 #include "torch_bridge.h"
 
@@ -436,11 +437,9 @@ const float* one_fp32(const char* op, const char* argument, const OptTensor& t,
   if (t->is_cpu() && !(std::isfinite(*data) && *data > 0.0f)) {
     fail(op, argument, "must be finite and > 0, got " + std::to_string(*data));
   }
-  // A static scale multiplies as its reciprocal (fusednorm.h), which must be finite.
-  if (t->is_cpu() && std::strcmp(argument, "scale") == 0 && !std::isfinite(1.0f / *data)) {
-    fail(op, argument,
-         "must exceed about 2.94e-39 (2^-128) so that 1 / scale is finite in fp32, got " +
-             std::to_string(*data));
+  if (t->is_cpu() && std::strcmp(argument, "scale") == 0 &&
+      !detail::static_scale_reciprocal_is_finite(*data)) {
+    fail(op, argument, detail::static_scale_reciprocal_error(*data));
   }
   return data;
 }

@@ -7,6 +7,8 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <string>
 
 #include "core/scalar_convert.h"
 
@@ -42,6 +44,19 @@ FUSEDNORM_HOST_DEVICE inline float dynamic_quant_scale(float amax, const float* 
                                                        DType q_dtype) {
   if (upper_bound != nullptr) amax = fminf(amax, *upper_bound);
   return fmaxf(amax / quant_max(q_dtype), quant_min_scale(q_dtype));
+}
+
+// What a static scale needs beyond "finite and > 0": q = y * (1 / scale) (fusednorm.h), and
+// from about 2^-128 down that fp32 reciprocal is Inf (y = 0 would give 0 * Inf = NaN). The
+// host checks of the core (validate.cpp) and of the PyTorch binding both use these.
+inline bool static_scale_reciprocal_is_finite(float scale) { return std::isfinite(1.0f / scale); }
+inline std::string static_scale_reciprocal_error(float scale) {
+  char value[32];
+  std::snprintf(value, sizeof value, "%g", static_cast<double>(scale));
+  return std::string(
+             "must exceed about 2.94e-39 (2^-128) so that 1 / scale is finite in fp32, "
+             "got ") +
+         value;
 }
 
 // Round to nearest even and saturate to [-128, 127]; NaN -> 0 (what CUDA's

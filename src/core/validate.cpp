@@ -1,9 +1,9 @@
 #include <cmath>
-#include <cstdio>
 #include <limits>
 #include <string>
 
 #include "core/problem.h"
+#include "core/quantize.h"
 
 namespace fusednorm::detail {
 
@@ -234,16 +234,9 @@ void validate_host_scales(const char* op, const ForwardProblem& p) {
       fail(op, name, "must be finite and > 0, got " + std::to_string(*value));
     }
   }
-  // q = y * (1 / scale) (fusednorm.h): from about 2^-128 down the reciprocal is Inf, and
-  // 0 * Inf is NaN.
   const float* static_scale = p.quant_scale.static_scale;
-  if (static_scale != nullptr && !std::isfinite(1.0f / *static_scale)) {
-    char value[32];
-    std::snprintf(value, sizeof value, "%g", static_cast<double>(*static_scale));
-    fail(op, "scale.static_scale",
-         std::string("must exceed about 2.94e-39 (2^-128) so that 1 / scale is finite in "
-                     "fp32, got ") +
-             value);
+  if (static_scale != nullptr && !detail::static_scale_reciprocal_is_finite(*static_scale)) {
+    fail(op, "scale.static_scale", detail::static_scale_reciprocal_error(*static_scale));
   }
 }
 
