@@ -3,11 +3,16 @@
 // and in cycles per 8 elements at the clock a chain of dependent adds measures. What a pass
 // costs in compute, apart from memory: fusednorm-bench times the operators end to end.
 //   fusednorm-kernel-cycles [D]    (default D = 4096; FUSEDNORM_CPU_TARGET picks the target)
+//   fusednorm-kernel-cycles [D] --placement
+//     normalize_amax (prepared weight) with its weight and output placed at chosen byte
+//     offsets (mod 4096) from the row: a store whose address matches a later load's in its
+//     low 12 bits can delay that load ("4K aliasing"), so where the staged y sits matters.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "cpu/quant_kernels.h"
@@ -49,11 +54,44 @@ double measured_ghz() {
 #endif
 }
 
+// normalize_amax over x at a page boundary, w and y `w_offset` and `y_offset` bytes (mod
+// 4096) after x, in one table: y's offset varied with w's fixed half a page away, then w's
+// with y's fixed half a page away.
+void report_placement(std::int64_t n, double ghz) {
+  const fusednorm::cpu::QuantKernels& qk = fusednorm::cpu::quant_kernels();
+  constexpr std::size_t kPage = 4096;
+  const std::size_t region = (static_cast<std::size_t>(n) * sizeof(float) + kPage - 1) / kPage *
+                                 kPage + kPage;
+  std::vector<unsigned char> storage(3 * region + kPage);
+  const auto base = (reinterpret_cast<std::uintptr_t>(storage.data()) + kPage - 1) / kPage * kPage;
+  float* const x = reinterpret_cast<float*>(base);
+  for (std::int64_t j = 0; j < n; ++j) x[j] = static_cast<float>(j % 97) * 0.01f - 0.4f;
+  volatile float sink = 0.0f;
+  auto time_at = [&](std::size_t w_offset, std::size_t y_offset) {
+    float* const w = reinterpret_cast<float*>(base + region + w_offset);
+    float* const y = reinterpret_cast<float*>(base + 2 * region + y_offset);
+    for (std::int64_t j = 0; j < n; ++j) w[j] = 1.01f;
+    return ns_per_element(
+        [&] { sink = sink + qk.normalize_amax_prepared[0](x, w, y, n, 0.9f, 0.0f).amax; }, n);
+  };
+  const std::size_t offsets[] = {0,   16,  32,  48,  64,   96,   128,  192,  256,  384,
+                                 512, 768, 1024, 2048, 3072, 3584, 3840, 3968, 4032, 4080};
+  std::printf("\nnormalize_amax (prepared weight), ns / element (cycles / 8 elements); offsets in\n"
+              "bytes after x, mod 4096\n\n| offset | y at offset, w at 2048 | w at offset, y at "
+              "2048 |\n|---:|---:|---:|\n");
+  for (const std::size_t offset : offsets) {
+    const double y_moved = time_at(2048, offset), w_moved = time_at(offset, 2048);
+    std::printf("| %zu | %.3f (%.2f) | %.3f (%.2f) |\n", offset, y_moved, y_moved * ghz * 8,
+                w_moved, w_moved * ghz * 8);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace fusednorm;
-  const std::int64_t n = argc > 1 ? std::atoll(argv[1]) : 4096;
+  const bool placement = argc > 1 && std::strcmp(argv[argc - 1], "--placement") == 0;
+  const std::int64_t n = argc > (placement ? 2 : 1) ? std::atoll(argv[1]) : 4096;
   if (n <= 0) {
     std::fprintf(stderr, "fusednorm-kernel-cycles: D must be > 0\n");
     return 1;
@@ -101,5 +139,6 @@ int main(int argc, char** argv) {
                      },
                      n));
   }
+  if (placement) report_placement(n, ghz);
   return 0;
 }

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -150,16 +151,10 @@ const char* stream_override() {
   static const char* const override_bytes = std::getenv("FUSEDNORM_STREAM_MIN_BYTES");
   return override_bytes;
 }
-// Transparent huge pages are zeroed 2 MiB at a time, mostly out of the cache, so a fresh
-// output on them is streamed like any other (measured: ordinary stores there were up to
-// 20 % slower). With THP "always" any large mapping may get them. With "madvise" only the
-// regions that ask, and which those are cannot be asked cheaply; the allocators seen give
-// them page-aligned data (torch with THP_MEM_ALLOC_ENABLE=1: 0x...4000), while glibc's
-// malloc, posix_memalign and torch's default allocator put large blocks just past a
-// header inside the first page (0x...010, 0x...040). So with "madvise" a page-aligned
-// output counts as possibly huge.
-bool may_get_huge_pages(const void* data) {
-  enum class Thp { kAlways, kMadvise, kNever };
+// Transparent huge pages: the kernel's setting (/sys/kernel/mm/transparent_hugepage/enabled).
+// With "always" any large mapping may get them; with "madvise" only the regions that ask.
+enum class Thp { kAlways, kMadvise, kNever };
+Thp thp_mode() {
   static const Thp mode = [] {
     std::ifstream file("/sys/kernel/mm/transparent_hugepage/enabled");
     std::string line;
@@ -168,37 +163,98 @@ bool may_get_huge_pages(const void* data) {
     if (line.find("[madvise]") != std::string::npos) return Thp::kMadvise;
     return Thp::kAlways;  // also when unreadable: streaming, as before this check
   }();
+  return mode;
+}
+
+// Huge pages are zeroed 2 MiB at a time, mostly out of the cache, so a fresh output on them
+// is streamed like any other (measured: ordinary stores there were up to 20 % slower).
+// Which regions asked for them with "madvise" cannot be asked cheaply; the allocators seen
+// give them page-aligned data (torch with THP_MEM_ALLOC_ENABLE=1: 0x...4000), while glibc's
+// malloc, posix_memalign and torch's default allocator put large blocks just past a
+// header inside the first page (0x...010, 0x...040). So with "madvise" a page-aligned
+// output counts as possibly huge.
+bool may_get_huge_pages(const void* data) {
   constexpr std::uintptr_t kSmallPage = 4096;
+  const Thp mode = thp_mode();
   return mode == Thp::kAlways ||
          (mode == Thp::kMadvise && reinterpret_cast<std::uintptr_t>(data) % kSmallPage == 0);
 }
 
-// Whether out gets non-temporal stores: at least the threshold's bytes, in memory already
-// touched or on huge pages. A fresh output's small pages come zeroed through the cache,
-// where ordinary stores finish them and non-temporal ones write every line twice (fp32
-// forward from PyTorch, fresh outputs, 2 threads: 8-19 % faster; docs/PERFORMANCE.md,
-// "ninth session").
-bool large_output(const Matrix& out) {
+// A fresh output (untouched_memory) would otherwise be faulted in 4 KiB at a time by the
+// kernel's first stores, at a cost above the kernel's own: fp32 16384 x 4096 from PyTorch,
+// 2 threads, AVX2: 54 ms with a fresh output against 28.5 ms after asking for huge pages
+// over it (docs/PERFORMANCE.md, "eleventh session"), which is what torch's allocator does
+// with THP_MEM_ALLOC_ENABLE=1. Only the whole huge pages inside [data, data + bytes) are
+// advised, so no memory outside the caller's buffer changes its policy, and none is used
+// beyond it; the advice changes no byte. FUSEDNORM_HUGE_PAGES=0 turns it off (with THP's
+// "defrag" at its default, "madvise", a fault in an advised region may compact memory
+// first when no huge page is free).
+bool huge_page_advice_enabled() {
+  static const bool enabled = [] {
+    const char* setting = std::getenv("FUSEDNORM_HUGE_PAGES");
+    return setting == nullptr || std::strcmp(setting, "0") != 0;
+  }();
+  return enabled;
+}
+
+}  // namespace
+
+bool advise_huge_pages(void* data, std::size_t bytes) {
+#if defined(FUSEDNORM_HAVE_MINCORE) && defined(MADV_HUGEPAGE)
+  if (data == nullptr || thp_mode() != Thp::kMadvise || !huge_page_advice_enabled()) return false;
+  static const std::uintptr_t huge_page = [] {
+    std::ifstream file("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+    std::uintptr_t size = 0;
+    file >> size;
+    return size != 0 ? size : std::uintptr_t{2} << 20;
+  }();
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t first = (begin + huge_page - 1) / huge_page * huge_page;
+  const std::uintptr_t last = (begin + bytes) / huge_page * huge_page;
+  if (last <= first) return false;
+  return madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) == 0;
+#else
+  (void)data;
+  (void)bytes;
+  return false;
+#endif
+}
+
+namespace {
+
+// Prepares a large output's pages and says whether it gets non-temporal stores: outputs of
+// at least the threshold's bytes, in memory already touched or on huge pages. A fresh
+// output's small pages come zeroed through the cache, where ordinary stores finish them and
+// non-temporal ones write every line twice (fp32 forward from PyTorch, fresh outputs, 2
+// threads: 8-19 % faster; docs/PERFORMANCE.md, "ninth session"); so a fresh output is first
+// asked onto huge pages (advise_huge_pages), and streamed if that was granted.
+bool prepare_large_output(const Matrix& out) {
   static const std::size_t min_bytes =
       stream_override() ? static_cast<std::size_t>(std::strtoull(stream_override(), nullptr, 10))
                         : kDefaultStreamMinBytes;
   const std::size_t esize = dtype_size(out.dtype);
   if (static_cast<std::size_t>(out.rows * out.cols) * esize < min_bytes) return false;
   if (stream_override() != nullptr) return true;
-  return may_get_huge_pages(out.data) ||
-         !untouched_memory(out.data, detail::byte_range(out).bytes());
+  if (may_get_huge_pages(out.data)) return true;
+  const std::size_t bytes = detail::byte_range(out).bytes();
+  if (!untouched_memory(out.data, bytes)) return true;
+  return advise_huge_pages(const_cast<void*>(out.data), bytes);
 }
 bool stream_output(const Matrix& out) {
+  const bool large = prepare_large_output(out);
   const std::size_t row_bytes = static_cast<std::size_t>(out.cols) * dtype_size(out.dtype);
   if (stream_override() == nullptr && row_bytes < kMinStreamRowBytes) return false;
-  return large_output(out);
+  return large;
 }
 // The backward's dx: streamed as stream_output says for fp32 rows only. Half-precision dx
 // rows went out faster through ordinary stores at every size measured (AVX2, see
 // docs/PERFORMANCE.md, "seventh session"). FUSEDNORM_STREAM_MIN_BYTES, when set, still
 // decides alone, so the tests keep running the streamed half kernels through this path.
 bool stream_backward_dx(const Matrix& dx) {
-  if (stream_override() == nullptr && dx.dtype != DType::kFloat32) return false;
+  if (stream_override() == nullptr && dx.dtype != DType::kFloat32) {
+    prepare_large_output(dx);  // its pages; half dx takes ordinary stores either way
+    return false;
+  }
   return stream_output(dx);
 }
 
@@ -425,7 +481,8 @@ void forward_short_rows(const ForwardCall& call, int threads) {
       call.k.rms_rows[p.has_residual()][call.weight_type][offset_slot(call.weight_offset)];
   const LayerRowsFn layer_fn = call.k.layer_rows[call.weight_type][call.bias_type];
   const std::size_t row_bytes = static_cast<std::size_t>(p.cols()) * call.esize;
-  const bool staged = p.y.row_stride == p.cols() && row_bytes <= kStagingBytes && large_output(p.y);
+  const bool large = prepare_large_output(p.y);
+  const bool staged = p.y.row_stride == p.cols() && row_bytes <= kStagingBytes && large;
   const std::int64_t rows_per_task =
       staged ? static_cast<std::int64_t>(kStagingBytes / row_bytes) : kShortRowsPerTask;
   const StreamCopyFn stream_copy = row_kernels().stream_copy;
@@ -489,10 +546,11 @@ std::size_t forward_bytes(const ForwardProblem& p) {
 // (normalize_quantize; with a weight, when it is prepared as fp32, else steps 2 and 3 piece
 // by piece). Staging y instead of recomputing it for step 3 cost fewer instructions
 // (callgrind, bf16 64 x 4096, bf16 weight, the benchmark's 4 modes: 22.8 M -> 20.9 M).
-// A large q (large_output's threshold) is quantized into a second L1 buffer and copied out
-// with non-temporal stores (stream_copy), which skip reading each line of q before
+// A large q (prepare_large_output's threshold) is quantized into a second L1 buffer and copied
+// out with non-temporal stores (stream_copy), which skip reading each line of q before
 // overwriting it: ordinary stores would add q's size again to the memory traffic.
 constexpr std::int64_t kQuantStagingFloats = 8192;  // 32 KiB: D = 8192 in one piece
+
 void forward_quantized(const ForwardProblem& p, int num_threads) {
   const DType dtype = p.x.dtype;
   const std::size_t esize = dtype_size(dtype);
@@ -529,7 +587,7 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const auto elements = static_cast<std::size_t>(p.rows() * cols);
   const std::size_t bytes = elements * (esize * (p.has_residual() ? 3 : 1) + 1);
   const ThreadPlan plan = plan_threads(p.rows(), cols, bytes, num_threads);
-  const bool stream = large_output(p.q);
+  const bool stream = prepare_large_output(p.q);
   const StreamCopyFn stream_copy = row_kernels().stream_copy;
   parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
     alignas(64) float y[kQuantStagingFloats];

@@ -46,4 +46,10 @@ ThreadPlan plan_threads(std::int64_t rows, std::int64_t cols, std::size_t bytes_
 // stores instead of non-temporal ones, unless it may be on huge pages (exposed for tests).
 bool untouched_memory(const void* data, std::size_t bytes);
 
+// Asks for transparent huge pages (madvise(MADV_HUGEPAGE)) over the whole huge pages inside
+// [data, data + bytes), where THP is in "madvise" mode and FUSEDNORM_HUGE_PAGES is not "0";
+// returns whether the advice was given and taken. The backend gives it for a large fresh
+// output before writing it (exposed for tests).
+bool advise_huge_pages(void* data, std::size_t bytes);
+
 }  // namespace fusednorm::cpu

@@ -5,7 +5,12 @@
 #include <sys/mman.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <functional>
+#include <string>
 
 #include "cpu/cpu_backend.h"
 #include "test_util.h"
@@ -266,30 +271,143 @@ TEST(Large, UntouchedMemoryIsMemoryNoStoreHasReached) {
   EXPECT_FALSE(cpu::untouched_memory(p, 4096)) << "no whole page past the first";
 }
 
-// Large outputs take ordinary stores in untouched memory and non-temporal ones elsewhere:
-// the same bits either way, every element written, nothing past the view.
-TEST(Large, FreshAndTouchedOutputsGetTheSameBits) {
-  const std::int64_t rows = 2048, cols = 4096;  // fp32 32 MiB, bf16 16 MiB: both streamed
-  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    SCOPED_TRACE(dtype_str(dtype));
-    Rng rng(seed_for(current_test_name(), static_cast<int>(dtype)));
-    Buffer x(dtype, rows, cols);
-    fill_activations(x, rng, true);
-    const Buffer w = make_weight(WeightKind::kSame, dtype, cols, rng, 1.0);
-    const std::size_t bytes = static_cast<std::size_t>(rows * cols) * dtype_size(dtype);
-    std::vector<char> touched(bytes + 64, 0x5a);
-    void* const mapped =
-        mmap(nullptr, bytes + 2 * 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    ASSERT_NE(mapped, MAP_FAILED);
-    char* const fresh = static_cast<char*>(mapped) + 64;  // not page-aligned, as from malloc
-    ASSERT_TRUE(cpu::untouched_memory(fresh, bytes));
-    rms_norm({}, x.cmatrix(), w.cvector(), {fresh, dtype, rows, cols, cols}, nullptr);
-    rms_norm({}, x.cmatrix(), w.cvector(), {touched.data(), dtype, rows, cols, cols}, nullptr);
-    EXPECT_EQ(std::memcmp(fresh, touched.data(), bytes), 0);
-    EXPECT_EQ(touched[bytes], 0x5a);
-    EXPECT_EQ(fresh[bytes], 0) << "written past the view";
-    munmap(mapped, bytes + 2 * 4096);
+// Whether advise_huge_pages gives its advice here: THP in "madvise" mode, and
+// FUSEDNORM_HUGE_PAGES not "0" (cpu_backend.cpp).
+bool expect_huge_page_advice() {
+  std::ifstream file("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  std::getline(file, line);
+  const char* setting = std::getenv("FUSEDNORM_HUGE_PAGES");
+  return line.find("[madvise]") != std::string::npos &&
+         (setting == nullptr || std::strcmp(setting, "0") != 0);
+}
+// Whether the backend gives it for a large fresh output: also not when
+// FUSEDNORM_STREAM_MIN_BYTES alone decides how outputs are written.
+bool expect_fresh_output_advice() {
+  return expect_huge_page_advice() && std::getenv("FUSEDNORM_STREAM_MIN_BYTES") == nullptr;
+}
+
+// The VmFlags of the mapping holding address (/proc/self/smaps), e.g. "rd wr mr mw me ac hg";
+// "hg" marks a region advised with MADV_HUGEPAGE.
+std::string vm_flags(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto where = reinterpret_cast<std::uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long begin = 0, end = 0;
+    // A mapping's first line starts "begin-end perms"; its fields follow, VmFlags last.
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &begin, &end) == 2 &&
+        line.find(' ') > line.find('-')) {
+      inside = begin <= where && where < end;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line.substr(8);
+    }
   }
+  return "";
+}
+
+// Large outputs take ordinary stores in untouched memory (asked onto huge pages first where
+// THP is "madvise") and non-temporal ones elsewhere: the same bits either way, every element
+// written, nothing past the view. Each operator's output kind: y, q (static and dynamic
+// scales), and the backward's dx.
+TEST(Large, FreshAndTouchedOutputsGetTheSameBits) {
+  // y and dx: fp32 64 MiB, bf16 32 MiB; q: 16 MiB, the smallest size the backend prepares.
+  const std::int64_t rows = 4096, cols = 4096;
+  constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  const bool advice = expect_fresh_output_advice();
+  const float static_scale = 0.02f;
+  std::vector<float> row_scales(rows);
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Rng rng(seed_for(current_test_name(), static_cast<int>(dtype)));
+    Buffer x(dtype, rows, cols), dy(dtype, rows, cols);
+    fill_activations(x, rng, true);
+    fill_activations(dy, rng, false);
+    const Buffer w = make_weight(WeightKind::kSame, dtype, cols, rng, 1.0);
+    std::vector<float> rstd(rows);
+    rms_norm({}, x.cmatrix(), w.cvector(), Buffer(dtype, rows, cols).matrix(), rstd.data());
+    struct Output {
+      const char* name;
+      DType dtype;
+      std::function<void(void*)> write;
+    };
+    const Output outputs[] = {
+        {"y", dtype,
+         [&](void* out) {
+           rms_norm({}, x.cmatrix(), w.cvector(), {out, dtype, rows, cols, cols}, nullptr);
+         }},
+        {"dx", dtype,
+         [&](void* out) {
+           rms_norm_backward({}, dy.cmatrix(), x.cmatrix(), w.cvector(), rstd.data(),
+                             {out, dtype, rows, cols, cols}, {});
+         }},
+        {"q static", DType::kInt8,
+         [&](void* out) {
+           QuantScale scale;
+           scale.static_scale = &static_scale;
+           rms_norm_quant({}, x.cmatrix(), w.cvector(), {out, DType::kInt8, rows, cols, cols},
+                          scale);
+         }},
+        {"q dynamic", DType::kFloat8E4M3,
+         [&](void* out) {
+           QuantScale scale;
+           scale.row_scales = row_scales.data();
+           rms_norm_quant({}, x.cmatrix(), w.cvector(),
+                          {out, DType::kFloat8E4M3, rows, cols, cols}, scale);
+         }},
+    };
+    for (const Output& output : outputs) {
+      SCOPED_TRACE(::testing::Message() << dtype_str(dtype) << " " << output.name);
+      const std::size_t bytes = static_cast<std::size_t>(rows * cols) * dtype_size(output.dtype);
+      std::vector<char> touched(bytes + 64, 0x5a);
+      const std::size_t mapped_bytes = bytes + 2 * 4096;
+      void* const mapped =
+          mmap(nullptr, mapped_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      ASSERT_NE(mapped, MAP_FAILED);
+      char* const fresh = static_cast<char*>(mapped) + 64;  // not page-aligned, as from malloc
+      ASSERT_TRUE(cpu::untouched_memory(fresh, bytes));
+      output.write(fresh);
+      output.write(touched.data());
+      EXPECT_EQ(std::memcmp(fresh, touched.data(), bytes), 0);
+      EXPECT_EQ(touched[bytes], 0x5a);
+      EXPECT_EQ(fresh[bytes], 0) << "written past the view";
+      // The advice covers whole huge pages inside the output only.
+      const auto first_huge = (reinterpret_cast<std::uintptr_t>(fresh) + kHugePage - 1) /
+                              kHugePage * kHugePage;
+      const std::string flags = vm_flags(reinterpret_cast<void*>(first_huge));
+      EXPECT_EQ(flags.find(" hg") != std::string::npos, advice) << flags;
+      EXPECT_EQ(vm_flags(mapped).find(" hg"), std::string::npos)
+          << "advised below the first whole huge page: " << vm_flags(mapped);
+      munmap(mapped, mapped_bytes);
+    }
+  }
+}
+
+// advise_huge_pages advises whole huge pages inside the range only, changes no byte, and
+// declines ranges holding none.
+TEST(Large, HugePageAdviceStaysInsideTheRange) {
+  constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  const std::size_t mapped_bytes = 3 * kHugePage;
+  void* const mapped =
+      mmap(nullptr, mapped_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  char* const base = static_cast<char*>(mapped);
+  EXPECT_FALSE(cpu::advise_huge_pages(nullptr, kHugePage));
+  EXPECT_FALSE(cpu::advise_huge_pages(base + 64, kHugePage - 128)) << "no whole huge page inside";
+  // A whole huge page inside the mapping, with at least a page of the mapping before it.
+  const auto aligned = (reinterpret_cast<std::uintptr_t>(base) + 4096 + kHugePage - 1) /
+                       kHugePage * kHugePage;
+  char* const huge = reinterpret_cast<char*>(aligned);
+  huge[-1] = 7;
+  EXPECT_EQ(cpu::advise_huge_pages(huge - 4096, kHugePage + 8192), expect_huge_page_advice());
+  EXPECT_EQ(huge[-1], 7) << "the advice changed a byte";
+  EXPECT_EQ(huge[0], 0);
+  if (expect_huge_page_advice()) {
+    EXPECT_NE(vm_flags(huge).find(" hg"), std::string::npos) << vm_flags(huge);
+    EXPECT_EQ(vm_flags(huge - 1).find(" hg"), std::string::npos) << "advised outside the range";
+    EXPECT_EQ(vm_flags(huge + kHugePage).find(" hg"), std::string::npos)
+        << "advised outside the range";
+  }
+  munmap(mapped, mapped_bytes);
 }
 
 }  // namespace
