@@ -1,4 +1,5 @@
-"""W8A8 on the CPU: the INT8 GEMM candidates, then one decoder layer W8A8 vs fp32 vs bf16.
+"""W8A8 on the CPU: the INT8 GEMM candidates, then one decoder layer W8A8 (INT8, FP8) vs fp32
+vs bf16.
 
     python -m fusednorm.bench_w8a8                       # all tables, Llama-7B layer sizes
     python -m fusednorm.bench_w8a8 --tables gemm --tokens 1,64,512
@@ -22,14 +23,19 @@ above ~1e-6 is a wrong kernel, not rounding):
                     q as fp32 with scale 1 and zero point 128 (exact), what W8A8Linear runs
                     up to quant.FBGEMM_MAX_TOKENS rows
   scaled_mm_fp8     torch._scaled_mm on float8_e4m3fn (this torch's CPU path takes per-tensor
-                    scales only)
+                    scales only), unit scales and fp32 output, the GEMM that
+                    W8A8Linear(dtype=torch.float8_e4m3fn) runs on the CPU (its two scale
+                    multiplies not timed); its error is the e4m3 rounding of the int8 operands
 Table "norm": the quantized norm (dynamic per-token int8, with weight) against its two-step
 peers on the same [tokens, hidden] fp32/bf16 input: torch eager (torch.nn.functional.rms_norm
 then fusednorm.quant.quantize_per_token) and torch.compile of that same function (Inductor).
 Table "layer": one LlamaDecoderLayer (transformers) at fp32, bf16, and W8A8
 (fusednorm.quant.patch_hf_w8a8 on the fp32 layer: norms by rms_norm_quant, the residual add
 fused into the second, GEMMs by FBGEMM up to quant.FBGEMM_MAX_TOKENS tokens and oneDNN
-above); with --w8a8-onednn also the first W8A8 layer (oneDNN at every size, add unfused).
+above), and W8A8 FP8 ("w8a8_fp8": patch_hf_w8a8(dtype=torch.float8_e4m3fn), e4m3 weights
+and activations, GEMMs by torch._scaled_mm, a fallback on the CPU; not run where
+quant.fp8_unsupported_reason() says why); with --w8a8-onednn also the first W8A8 layer
+(oneDNN at every size, add unfused).
 
 Gemm table: each candidate cycles through --weight-sets independent operand sets (default
 4: 4 x 16 MB of int8 weights exceed a 32 MB L3, as a real model's weights do). Times are
@@ -212,6 +218,11 @@ def run_layer_table(args):
     if args.w8a8_onednn:  # the first W8A8 layer: oneDNN at every size, residual add unfused
         layer_w8a8_onednn = copy.deepcopy(layer_fp32)
         quant.patch_hf_w8a8(layer_w8a8_onednn, fuse_add=False, gemm="onednn")
+    fp8_unsupported = quant.fp8_unsupported_reason()
+    layer_w8a8_fp8 = None
+    if fp8_unsupported is None:
+        layer_w8a8_fp8 = copy.deepcopy(layer_fp32)
+        quant.patch_hf_w8a8(layer_w8a8_fp8, dtype=torch.float8_e4m3fn)
     layer_bf16 = copy.deepcopy(layer_fp32).to(torch.bfloat16)
     print(f"\nOne LlamaDecoderLayer (hidden {args.hidden}, intermediate {args.intermediate}, "
           f"{args.heads} heads), {torch.get_num_threads()} threads, torch CPU capability "
@@ -231,6 +242,8 @@ def run_layer_table(args):
             return lambda: layer(xs, attention_mask=m, position_embeddings=pe)
 
         fns = {"fp32": call(layer_fp32, torch.float32), "w8a8": call(layer_w8a8, torch.float32)}
+        if layer_w8a8_fp8 is not None:
+            fns["w8a8_fp8"] = call(layer_w8a8_fp8, torch.float32)
         if layer_w8a8_onednn is not None:
             fns["w8a8_onednn_unfused"] = call(layer_w8a8_onednn, torch.float32)
         if t <= args.bf16_max_tokens:
@@ -243,6 +256,8 @@ def run_layer_table(args):
             print(f"{t:>6} {name:<19} {ms:>10.2f} {times['fp32'] / ms:>8.2f} {cosine:>12.5f}")
         if "bf16" not in fns:
             print(f"{t:>6} {'bf16':<19} {'not run':>10}  (tokens > --bf16-max-tokens)")
+        if fp8_unsupported is not None:
+            print(f"{t:>6} {'w8a8_fp8':<19} {'not run':>10}  ({fp8_unsupported})")
 
 
 def main(argv=None):
