@@ -37,7 +37,8 @@ Quantized RMSNorm (inference; python/README.md "Quantized RMSNorm")::
     fused_add_rms_norm_quant(Tensor x, Tensor(a!) residual, ...same...) -> (Tensor q, Tensor scale)
 
 and their ``.out`` overloads (``*, out, row_scales``). ``fusednorm.quant`` is the W8A8 path
-(INT8 GEMMs by FBGEMM / oneDNN on the CPU, FP8 E4M3 by ``torch._scaled_mm``) built on them; ``patch_hf_w8a8`` turns it on for a Llama-class model.
+(INT8 GEMMs by FBGEMM / oneDNN on the CPU, FP8 E4M3 by ``torch._scaled_mm``) built on
+them; ``patch_hf_w8a8`` turns it on for a Llama-class model.
 """
 
 from __future__ import annotations
