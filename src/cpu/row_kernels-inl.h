@@ -80,8 +80,9 @@ constexpr PairLayout kPairLayout = (std::is_same_v<T, hwy::bfloat16_t> &&
 // their address modulo 64 (consecutive rows of a matrix whose row pitch is a multiple of 64 bytes
 // do). kStream: outputs too large for the caches go out with non-temporal stores, which skip
 // reading each line before overwriting it (as memcpy does); the first elements go through
-// the staging path until `out` reaches vector alignment. The caller must issue a store
-// fence before the output is read (cpu_backend.cpp's parallel_for does).
+// the staging path until `out` reaches vector alignment; `descending` writes those whole
+// lines from the row's end down (StreamDescending, below, says when). The caller must issue
+// a store fence before the output is read (cpu_backend.cpp's parallel_for does).
 // make is taken and captured by value: Highway's stores go through vector types that may
 // alias anything, so captured references would be reloaded from memory after every store
 // (the streamed fp16 forward write pass, 16384 x 4096 on one thread, took 10.0 ms instead
@@ -116,7 +117,8 @@ HWY_INLINE void StoreRows(DF df, const std::array<T*, kRows>& out, const MakeFn&
 
 template <typename T, bool kStream, NaNPayloads kNaNs, size_t kRows, class MakeFn,
           PairLayout kLayout = PairLayout::kHalves>
-void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) {
+void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make,
+               bool descending = false) {
   using IO = ElementIO<T, kNaNs>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   if constexpr (kStream) {
@@ -142,6 +144,21 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
           StoreRows<T, kNaNs, kRows, kLayout>(df, out_here, make_here, begin, end);
         };
         store_range(0, first_line);
+        if (descending) {
+          int64_t top = last_line;
+          for (; top - 2 * N >= first_line; top -= 2 * N) {
+            const auto [first, second] = MakePair<kLayout>(make, top - 2 * N, N);
+            for (size_t k = 0; k < kRows; ++k) {
+              StreamPair<T, kNaNs, kLayout>(df, first[k], second[k], out[k] + top - 2 * N);
+            }
+          }
+          for (; top - N >= first_line; top -= N) {
+            const auto v = make(Full(), top - N, N);
+            for (size_t k = 0; k < kRows; ++k) IO::Stream(df, v[k], out[k] + top - N);
+          }
+          store_range(last_line, n);
+          return;
+        }
         int64_t i = first_line;
         for (; i + 2 * N <= last_line; i += 2 * N) {
           const auto [first, second] = MakePair<kLayout>(make, i, N);
@@ -169,11 +186,11 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make) 
 
 // One output row: out[i, i + count) = make(full, i, count).
 template <typename T, bool kStream, NaNPayloads kNaNs, PairLayout kLayout, class MakeFn>
-void WriteRow(DF df, T* out, int64_t n, MakeFn make) {
+void WriteRow(DF df, T* out, int64_t n, MakeFn make, bool descending = false) {
   auto make_one = [=](auto full, int64_t i, size_t count) {
     return std::array<VF, 1>{make(full, i, count)};
   };
-  WriteRows<T, kStream, kNaNs, 1, decltype(make_one), kLayout>(df, {out}, n, make_one);
+  WriteRows<T, kStream, kNaNs, 1, decltype(make_one), kLayout>(df, {out}, n, make_one, descending);
 }
 
 // Sum of x over one row; inlined into the one-row kernel and the multi-row LayerRows, so
@@ -314,6 +331,21 @@ constexpr NaNPayloads kOutputNaNs = (kNarrowParam<T, W> && kNarrowParam<T, B>)
 // from the row already are narrow; the phased calls take the caller's sums, which may carry
 // any payload.)
 
+// Whether a streamed loop that reads `from` and writes `to` at the same element indices
+// should run from the end down. Non-temporal stores stay in flight long after they issue,
+// and a load whose address has the low 12 bits of an in-flight store's waits for it (4 KiB
+// aliasing). Ascending, the loads run ahead of the stores, so `to` a little after `from`
+// (mod 4096) makes nearly every load wait: with y 16-96 bytes after x, the streamed forward
+// of 16384 x 4096 from PyTorch took up to 1.5x (fp32) and 2.9x (bf16) its time at other
+// offsets (Zen 2, AVX2; docs/PERFORMANCE.md, twelfth session). Descending, the loads trail
+// the stores and only `to` a little *before* `from` would alias, so each direction takes the
+// half of the offsets whose bad end is 2 KiB away (more than a store buffer holds).
+// Either direction gives the same bits: the arithmetic is per element.
+HWY_INLINE bool StreamDescending(const void* to, const void* from) {
+  const auto offset = (reinterpret_cast<uintptr_t>(to) - reinterpret_cast<uintptr_t>(from)) % 4096;
+  return offset != 0 && offset < 2048;
+}
+
 template <typename T, bool kStream, bool kCentered, typename W, typename B, bool kOffset>
 void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int64_t n, float mean,
                float rstd, float w_offset) {
@@ -325,7 +357,8 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
   const VF voffset = hn::Set(df, w_offset);  // finite (validated)
   constexpr NaNPayloads kNaNs = kOutputNaNs<T, W, B>;
   WriteRow<T, kStream, kNaNs, kPairLayout<T, W, B>>(
-      df, y, n, [=](auto full, int64_t i, size_t count) {
+      df, y, n,
+      [=](auto full, int64_t i, size_t count) {
         VF out = LoadElements(full, df, x + i, count);
         if constexpr (kCentered) out = hn::Sub(out, vmean);
         out = hn::Mul(out, vrstd);
@@ -338,7 +371,8 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
         }
         if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, df, b, i, count));
         return out;
-      });
+      },
+      kStream && StreamDescending(y, x));
 }
 
 // RMSNorm of rows.rows short rows, kGroup at a time: the sums of squares of a group first

@@ -29,11 +29,16 @@ void StreamCopy(void* dst_ptr, const void* src_ptr, int64_t bytes) {
     return;
   }
   std::memcpy(dst, src, static_cast<size_t>(head));
-  int64_t i = head;
-  for (; i + kLine <= bytes; i += kLine) {
+  const int64_t lines_end = head + (bytes - head) / kLine * kLine;
+  auto copy_line = [&](int64_t i) {
     for (int64_t k = 0; k < kLine; k += N) hn::Stream(hn::LoadU(d8, src + i + k), d8, dst + i + k);
+  };
+  if (StreamDescending(dst, src)) {  // 4 KiB aliasing: row_kernels-inl.h
+    for (int64_t i = lines_end - kLine; i >= head; i -= kLine) copy_line(i);
+  } else {
+    for (int64_t i = head; i < lines_end; i += kLine) copy_line(i);
   }
-  std::memcpy(dst + i, src + i, static_cast<size_t>(bytes - i));
+  std::memcpy(dst + lines_end, src + lines_end, static_cast<size_t>(bytes - lines_end));
 }
 
 void FillRowKernels(RowKernels* kernels) {

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "cpu/cpu_backend.h"
 #include "test_util.h"
@@ -244,6 +245,67 @@ TEST(Large, SixtyFourBitRowOffsets) {
   }
   EXPECT_TRUE(x.check("x (input)"));
   EXPECT_TRUE(dy.check("dy (input)"));
+}
+
+// A streamed loop runs descending when its output lies a little after its input modulo
+// 4096 bytes (row_kernels-inl.h, StreamDescending): at every such offset, and at the
+// ascending ones, the outputs must have the same bits and no byte outside them may change.
+// Long rows (Normalize's streamed loop, with partial lines at both ends) and short rows and
+// a static-scale int8 q (both staged, then StreamCopy). Streamed when run with
+// FUSEDNORM_STREAM_MIN_BYTES=1 (the streaming_stores run of this suite); plain stores
+// otherwise, which must agree as well.
+TEST(Large, StreamedOutputsAtAnyOffsetFromTheirInput) {
+  constexpr std::int64_t kPage = 4096, kGuardBytes = 256;
+  for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (const std::int64_t cols : {std::int64_t{4096 + 37}, std::int64_t{128}}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " D=" + std::to_string(cols));
+      const std::int64_t rows = cols > 1000 ? 3 : 300;
+      const std::size_t esize = dtype_size(dtype);
+      const std::int64_t bytes = rows * cols * static_cast<std::int64_t>(esize);
+      Rng rng(seed_for(current_test_name(), static_cast<int>(esize) + static_cast<int>(cols)));
+      Buffer x(dtype, rows, cols);
+      fill_normal(x, rng, 0.3, 2.0);
+      const Buffer w = make_weight(WeightKind::kSame, dtype, cols, rng, 1.0);
+      const float static_scale = 0.02f;
+      // One arena for every placement; y starts `offset` bytes after x modulo 4096.
+      std::vector<unsigned char> arena(
+          static_cast<std::size_t>(bytes + 2 * kPage + 2 * kGuardBytes));
+      const auto x_address = reinterpret_cast<std::uintptr_t>(x.data());
+      std::vector<unsigned char> first_y, first_q;
+      for (const std::int64_t offset : {0, 16, 32, 64, 96, 1024, 2046, 2048, 3072, 4032, 4080}) {
+        SCOPED_TRACE("y - x = " + std::to_string(offset) + " (mod 4096)");
+        std::fill(arena.begin(), arena.end(), static_cast<unsigned char>(0xa5));
+        const auto base = reinterpret_cast<std::uintptr_t>(arena.data()) + kGuardBytes;
+        const std::uintptr_t skip =
+            (x_address + static_cast<std::uintptr_t>(offset) - base) % kPage;
+        unsigned char* y = arena.data() + kGuardBytes + skip;
+        ASSERT_EQ((reinterpret_cast<std::uintptr_t>(y) - x_address) % kPage,
+                  static_cast<std::uintptr_t>(offset));
+        const Matrix ym{y, dtype, rows, cols, cols};
+        rms_norm({}, x.cmatrix(), w.cvector(), ym, nullptr);
+        std::vector<unsigned char> y_bits(y, y + bytes);
+        const Matrix qm{y, DType::kInt8, rows, cols, cols};
+        QuantScale scale;
+        scale.static_scale = &static_scale;
+        rms_norm_quant({}, x.cmatrix(), w.cvector(), qm, scale);
+        std::vector<unsigned char> q_bits(y, y + rows * cols);
+        for (std::size_t i = 0; i < arena.size(); ++i) {
+          const auto at =
+              static_cast<std::int64_t>(i) - static_cast<std::int64_t>(kGuardBytes + skip);
+          if (at < 0 || at >= bytes) {
+            ASSERT_EQ(arena[i], 0xa5) << "byte " << at << " from y's start was written";
+          }
+        }
+        if (first_y.empty()) {
+          first_y = y_bits;
+          first_q = q_bits;
+        } else {
+          EXPECT_TRUE(y_bits == first_y) << "rms_norm's y differs from its bits at offset 0";
+          EXPECT_TRUE(q_bits == first_q) << "rms_norm_quant's q differs from its bits at offset 0";
+        }
+      }
+    }
+  }
 }
 
 // A fresh anonymous mapping is untouched until a store reaches one of its sampled pages;
