@@ -11,6 +11,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -269,18 +270,35 @@ float chunked_sum(std::int64_t cols, ChunkFn chunk_fn) {
   return total;
 }
 
+// The same sums for rows r0 and r1, whose chunks are read side by side (first_stat_pair):
+// each row's total has chunked_sum's bits.
+template <typename PairFn>
+std::array<float, 2> chunked_sum_pair(std::int64_t cols, PairFn pair_fn) {
+  std::array<float, 2> total{0.0f, 0.0f};
+  for (std::int64_t begin = 0; begin < cols; begin += kReduceChunk) {
+    float sums[2];
+    pair_fn(begin, std::min(kReduceChunk, cols - begin), sums);
+    total[0] += sums[0];
+    total[1] += sums[1];
+  }
+  return total;
+}
+
 // Rows per forward batch when the output is streamed: about kBatchBytes of input, so that a
 // batch's rows are still in the caches when they are normalized. Measured at 16384 x 4096,
 // one thread, against one-row batches: fp16 and bf16 -12 %, fp32 (two-row batches)
 // unchanged; 128 KiB batches were no better. Without streaming, batches cost time instead
 // (bf16, 8M elements, one thread: D = 512 1.9 -> 3.0-3.6 ms, D = 1024 1.6 -> 2.2-2.5 ms),
-// so cached outputs are written row by row.
+// so cached outputs are written row by row. Rows up to kPairBatchBytes / 2 come at least
+// two to a batch, so that forward_rows reads them in pairs.
 constexpr std::int64_t kMaxBatchRows = 64;
 constexpr std::size_t kBatchBytes = 32 * 1024;
+constexpr std::size_t kPairBatchBytes = 128 * 1024;
 std::int64_t rows_per_batch(std::int64_t cols, std::size_t esize, bool stream) {
   if (!stream) return 1;
   const auto row_bytes = static_cast<std::int64_t>(static_cast<std::size_t>(cols) * esize);
-  return std::clamp<std::int64_t>(static_cast<std::int64_t>(kBatchBytes) / row_bytes, 1,
+  const std::int64_t fewest = 2 * row_bytes <= static_cast<std::int64_t>(kPairBatchBytes) ? 2 : 1;
+  return std::clamp<std::int64_t>(static_cast<std::int64_t>(kBatchBytes) / row_bytes, fewest,
                                   kMaxBatchRows);
 }
 
@@ -292,17 +310,22 @@ struct RowStats {
 // mean and rstd of one row, the one definition the forward and the backward's recomputation
 // share. first(begin, n): a chunk's sum of squares (RMSNorm) or sum (LayerNorm);
 // centered(begin, n, mean): a chunk's sum of squared deviations (LayerNorm only).
-template <typename FirstFn, typename CenteredFn>
-RowStats compute_row_stats(std::int64_t cols, bool is_centered, float eps, FirstFn first,
-                           CenteredFn centered) {
+// row_stats_from_first_total: the same, given chunked_sum(cols, first).
+template <typename CenteredFn>
+RowStats row_stats_from_first_total(std::int64_t cols, bool is_centered, float eps,
+                                    float first_total, CenteredFn centered) {
   const auto count = static_cast<float>(cols);
-  const float first_total = chunked_sum(cols, first);
   if (!is_centered) return {0.0f, rstd_from_mean_square(first_total / count, eps)};
   const float mean = first_total / count;
   const float mean_square =
       chunked_sum(cols, [&](std::int64_t b, std::int64_t n) { return centered(b, n, mean); }) /
       count;
   return {mean, rstd_from_mean_square(mean_square, eps)};
+}
+template <typename FirstFn, typename CenteredFn>
+RowStats compute_row_stats(std::int64_t cols, bool is_centered, float eps, FirstFn first,
+                           CenteredFn centered) {
+  return row_stats_from_first_total(cols, is_centered, eps, chunked_sum(cols, first), centered);
 }
 
 // Everything the forward path needs about one call, resolved once; nothing is allocated.
@@ -373,6 +396,21 @@ struct ForwardCall {
         [&](std::int64_t b, std::int64_t n) { return first_stat(r, b, n); },
         [&](std::int64_t b, std::int64_t n, float m) { return centered_stat(r, b, n, m); });
   }
+  // Rows r and r + 1's statistics (the bits of row_stats), their first sums read side by
+  // side; for rows that reads_pairs() allows.
+  bool reads_pairs() const { return p.phase == Phase::kWhole && !p.has_residual(); }
+  void row_stats_pair(std::int64_t r, RowStats* stats) const {
+    const RowPairSumFn pair_fn = k.first_stat_pair[centered];
+    const std::array<float, 2> first_total =
+        chunked_sum_pair(p.cols(), [&](std::int64_t b, std::int64_t n, float* sums) {
+          pair_fn(advance(x_row(r), b, esize), advance(x_row(r + 1), b, esize), n, sums);
+        });
+    for (std::int64_t i = 0; i < 2; ++i) {
+      stats[i] = row_stats_from_first_total(
+          p.cols(), centered, p.eps, first_total[i],
+          [&](std::int64_t b, std::int64_t n, float m) { return centered_stat(r + i, b, n, m); });
+    }
+  }
   // Phase 1's sum over row r's slice: the first statistic (kPartialSums), or LayerNorm's
   // squared deviations from the whole row's mean (kPartialDeviations); chunked as always.
   float partial_sum(std::int64_t r) const {
@@ -395,8 +433,12 @@ struct ForwardCall {
 // switch between a read phase and a streamed write phase is not free.
 void forward_rows(const ForwardCall& call, std::int64_t begin, std::int64_t end) {
   RowStats stats[kMaxBatchRows];
-  for (std::int64_t r = begin; r < end; ++r) stats[r - begin] = call.row_stats(r);
-  for (std::int64_t r = begin; r < end; ++r) {
+  std::int64_t r = begin;
+  if (call.reads_pairs()) {
+    for (; r + 1 < end; r += 2) call.row_stats_pair(r, &stats[r - begin]);
+  }
+  for (; r < end; ++r) stats[r - begin] = call.row_stats(r);
+  for (r = begin; r < end; ++r) {
     const RowStats& s = stats[r - begin];
     call.normalize(r, 0, call.p.cols(), s.mean, s.rstd);
     call.store_stats(r, s.mean, s.rstd);

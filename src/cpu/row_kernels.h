@@ -52,6 +52,9 @@ inline int offset_slot(float kernel_offset) { return kernel_offset == 0.0f ? 0 :
 using SumFn = float (*)(const void* x, std::int64_t n);
 // Sum of (x - center)^2; the uncentered (RMSNorm) variant ignores center.
 using SumSquaresFn = float (*)(const void* x, std::int64_t n, float center);
+// The first statistic of two rows of n elements, read side by side: sums[k] has the bits of
+// the one-row kernel's result for row k (SumSquaresFn uncentered, or SumFn).
+using RowPairSumFn = void (*)(const void* x0, const void* x1, std::int64_t n, float* sums);
 // residual <- round(x + residual); returns the sum of squares of the rounded residual.
 using AddResidualFn = float (*)(const void* x, void* residual, std::int64_t n);
 // y = (x - mean) * rstd [* (w + w_offset)] [+ b]; w and b in the dtypes of the table slot
@@ -149,7 +152,8 @@ using ColumnSumsFn = void (*)(const float* partials, std::int64_t blocks, std::i
 
 struct DTypeKernels {
   SumFn sum;
-  SumSquaresFn sum_squares[2];  // [centered]
+  SumSquaresFn sum_squares[2];      // [centered]
+  RowPairSumFn first_stat_pair[2];  // [centered]: sum_squares[0] (RMSNorm) or sum (LayerNorm)
   AddResidualFn add_residual;
   // [stream][centered][weight ParamType][bias ParamType][offset_slot]
   NormalizeFn normalize[2][2][3][3][2];

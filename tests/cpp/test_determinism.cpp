@@ -1,6 +1,8 @@
 // Bit-identical results for any thread count and across repeated runs: forward outputs
 // (including the split-row path, where threads share each row's chunks), dx, and the
 // cross-row reductions dw / db.
+#include <cstring>
+#include <functional>
 #include <tuple>
 
 #include "cpu/cpu_backend.h"
@@ -30,9 +32,8 @@ using Bits = std::vector<std::vector<std::uint64_t>>;
   for (std::size_t o = 0; o < expected.size(); ++o) {
     for (std::size_t i = 0; i < expected[o].size(); ++i) {
       if (got[o][i] != expected[o][i]) {
-        return ::testing::AssertionFailure()
-               << "output " << o << " first differs at storage word " << i << " of "
-               << expected[o].size();
+        return ::testing::AssertionFailure() << "output " << o << " first differs at storage word "
+                                             << i << " of " << expected[o].size();
       }
     }
   }
@@ -47,8 +48,8 @@ class DeterminismTest : public ::testing::TestWithParam<DType> {
   // same bits every time.
   template <typename Call>
   void expect_identical(const char* what, const Shape& s, Call call) {
-    SCOPED_TRACE(::testing::Message() << what << ", " << s.rows << " x " << s.cols << ", "
-                                      << dtype_str(dtype()));
+    SCOPED_TRACE(::testing::Message()
+                 << what << ", " << s.rows << " x " << s.cols << ", " << dtype_str(dtype()));
     const Bits first = call(kThreadCounts[0]);
     EXPECT_TRUE(same_bits(call(kThreadCounts[0]), first)) << "repeated run with 1 thread";
     for (const int threads : kThreadCounts) {
@@ -79,8 +80,8 @@ TEST_P(DeterminismTest, ForwardAcrossThreadCounts) {
     });
     expect_identical("fused_add_rms_norm", s, [&](int threads) {
       residual.restore(residual_start);
-      fused_add_rms_norm(context(threads), x.cmatrix(), residual.matrix(), w.cvector(),
-                         y.matrix(), rstd.float_data());
+      fused_add_rms_norm(context(threads), x.cmatrix(), residual.matrix(), w.cvector(), y.matrix(),
+                         rstd.float_data());
       return Bits{y.snapshot(), residual.snapshot(), rstd.snapshot()};
     });
     expect_identical("layer_norm", s, [&](int threads) {
@@ -125,6 +126,82 @@ TEST_P(DeterminismTest, BackwardAcrossThreadCounts) {
                           db.vector());
       return Bits{dx.snapshot(), dw.snapshot(), db.snapshot()};
     });
+  }
+}
+
+// A row's outputs do not depend on the rows beside it: the forward reads rows two at a time
+// (first_stat_pair) where it can, and each must get the bits of a call on that row alone.
+// Odd row counts leave a last row outside any pair. (Batches of several rows, and so the
+// pairs of forward_rows, need streamed outputs: the streaming_stores ctest run gives them.)
+TEST_P(DeterminismTest, EachRowHasTheBitsOfItsOwnCall) {
+  const float static_scale = 0.03125f;
+  for (const Shape s : {Shape{7, 1000}, Shape{5, 4099}, Shape{4, 8195}, Shape{3, 100003}}) {
+    SCOPED_TRACE(::testing::Message() << s.rows << " x " << s.cols << ", " << dtype_str(dtype()));
+    Rng rng(seed_for(current_test_name(), static_cast<int>(s.cols)));
+    Buffer x(dtype(), s.rows, s.cols);
+    fill_activations(x, rng, true);
+    const Buffer w = make_weight(WeightKind::kSame, dtype(), s.cols, rng, 1.0);
+    const Buffer b = make_weight(WeightKind::kFloat32, dtype(), s.cols, rng, 0.0);
+    // Row r of m as a one-row view.
+    auto row_offset = [](const Buffer& m, std::int64_t r) {
+      return r * m.row_stride() * static_cast<std::int64_t>(m.element_size());
+    };
+    auto x_row = [&](std::int64_t r) {
+      return ConstMatrix{static_cast<const unsigned char*>(x.data()) + row_offset(x, r), x.dtype(),
+                         1, s.cols, x.row_stride()};
+    };
+    // Outputs as bytes (Buffer holds no 1-byte dtype), rows packed.
+    struct Bytes {
+      DType dtype;
+      std::vector<unsigned char> bytes;
+      Bytes(DType d, std::int64_t rows, std::int64_t cols)
+          : dtype(d), bytes(static_cast<std::size_t>(rows * cols) * dtype_size(d), 0xab) {}
+      Matrix rows_from(std::int64_t r, std::int64_t count, std::int64_t cols) {
+        const auto esize = static_cast<std::int64_t>(dtype_size(dtype));
+        return Matrix{bytes.data() + r * cols * esize, dtype, count, cols, cols};
+      }
+    };
+    // Each operator writes its outputs for rows [first, first + x_view.rows) of y (and q, the
+    // statistics) from x_view.
+    struct Op {
+      const char* name;
+      DType out_dtype;
+      std::function<void(ConstMatrix, Matrix, float*, float*)> run;
+    };
+    const Op ops[] = {
+        {"rms_norm", dtype(),
+         [&](ConstMatrix xv, Matrix y, float*, float* rstd) {
+           rms_norm({}, xv, w.cvector(), y, rstd);
+         }},
+        {"layer_norm", dtype(),
+         [&](ConstMatrix xv, Matrix y, float* mean, float* rstd) {
+           layer_norm({}, xv, w.cvector(), b.cvector(), y, mean, rstd);
+         }},
+        {"rms_norm_quant static int8", DType::kInt8,
+         [&](ConstMatrix xv, Matrix q, float*, float*) {
+           QuantScale scale;
+           scale.static_scale = &static_scale;
+           rms_norm_quant({}, xv, w.cvector(), q, scale);
+         }},
+        {"rms_norm_quant dynamic e4m3", DType::kFloat8E4M3,
+         [&](ConstMatrix xv, Matrix q, float*, float* row_scales) {
+           QuantScale scale;
+           scale.row_scales = row_scales;
+           rms_norm_quant({}, xv, w.cvector(), q, scale);
+         }},
+    };
+    for (const Op& op : ops) {
+      SCOPED_TRACE(op.name);
+      Bytes whole(op.out_dtype, s.rows, s.cols), alone(op.out_dtype, s.rows, s.cols);
+      std::vector<float> stats(2 * s.rows, -1.0f), alone_stats(2 * s.rows, -1.0f);
+      op.run(x.cmatrix(), whole.rows_from(0, s.rows, s.cols), stats.data(), stats.data() + s.rows);
+      for (std::int64_t r = 0; r < s.rows; ++r) {
+        op.run(x_row(r), alone.rows_from(r, 1, s.cols), alone_stats.data() + r,
+               alone_stats.data() + s.rows + r);
+      }
+      EXPECT_TRUE(whole.bytes == alone.bytes);
+      EXPECT_EQ(0, std::memcmp(stats.data(), alone_stats.data(), stats.size() * sizeof(float)));
+    }
   }
 }
 

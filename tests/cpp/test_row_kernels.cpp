@@ -72,6 +72,8 @@ TEST(RowKernels, EveryTargetIsListedAndComplete) {
       EXPECT_NE(k.sum, nullptr);
       EXPECT_NE(k.sum_squares[0], nullptr);
       EXPECT_NE(k.sum_squares[1], nullptr);
+      EXPECT_NE(k.first_stat_pair[0], nullptr);
+      EXPECT_NE(k.first_stat_pair[1], nullptr);
       EXPECT_NE(k.add_residual, nullptr);
       for (int residual = 0; residual < 2; ++residual) {
         for (int w = 0; w < 3; ++w) {
@@ -154,6 +156,18 @@ TEST_P(RowKernelTest, Reductions) {
       EXPECT_NEAR(k.sum_squares[1](x.data(), n, center), centered,
                   2 * sum_tolerance(n) * sum_abs(x, center, 2))
           << "padding lanes must not count (0 - center)^2";
+      // The pair kernels give each row the bits of a one-row call.
+      Buffer x1 = Buffer::vector_of(dtype(), n);
+      fill_activations(x1, rng, false);
+      float pair[2] = {-1.0f, -1.0f};
+      k.first_stat_pair[0](x.data(), x1.data(), n, pair);
+      EXPECT_EQ(detail::float_bits(pair[0]),
+                detail::float_bits(k.sum_squares[0](x.data(), n, 0.0f)));
+      EXPECT_EQ(detail::float_bits(pair[1]),
+                detail::float_bits(k.sum_squares[0](x1.data(), n, 0.0f)));
+      k.first_stat_pair[1](x1.data(), x.data(), n, pair);
+      EXPECT_EQ(detail::float_bits(pair[0]), detail::float_bits(k.sum(x1.data(), n)));
+      EXPECT_EQ(detail::float_bits(pair[1]), detail::float_bits(k.sum(x.data(), n)));
     }
   }
 }

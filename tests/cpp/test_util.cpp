@@ -7,6 +7,7 @@
 #include <iostream>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
 
 namespace fusednorm::test {
 
@@ -56,6 +57,8 @@ Buffer::Buffer(DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t r
       cols_(cols),
       stride_(row_stride < 0 ? cols : row_stride),
       guard_(guard) {
+  // poison() and the element accessors know 2-, 4- and 8-byte dtypes only.
+  if (element_size() < 2) throw std::invalid_argument("test Buffer: no 1-byte dtypes");
   const std::size_t bytes = static_cast<std::size_t>(total_elements()) * element_size();
   storage_.resize((bytes + 7) / 8 + 1);
   poison();
