@@ -1,6 +1,7 @@
 // Autograd of the differentiable fusednorm operators (rms_norm, rms_norm_fwd, layer_norm,
 // layer_norm_fwd), registered in C++ for the Autograd dispatch key. Their backward is the
-// fused backward operator (not differentiable itself: no double backward).
+// fused backward operator, which is not differentiable itself: a double backward raises when
+// it reaches it (once_differentiable_kernel, below), and forward-mode AD is refused.
 //
 // Why C++ and not torch.library.register_autograd: a Python autograd registration puts a
 // Python kernel on every call, with or without gradients. Measured with callgrind on the
@@ -12,6 +13,8 @@
 // serves CPU, CUDA and fake tensors (torch.compile traces it like any C++ autograd kernel).
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include "ops.h"
@@ -86,6 +89,24 @@ bool requires_grad(const OptTensor& t) {
 
 bool needs_grad(const at::Tensor& x, const OptTensor& a, const OptTensor& b = std::nullopt) {
   return at::GradMode::is_enabled() && (x.requires_grad() || requires_grad(a) || requires_grad(b));
+}
+
+// Forward-mode AD (torch.autograd.forward_ad, torch.func.jvp and jacfwd) has no formula in
+// fusednorm: an input carrying a tangent is refused. Without this check its tangent was
+// dropped and the output's came out as zeros (jacfwd gave a zero Jacobian), silently.
+void refuse_tangent(const std::string& op, const char* argument, const at::Tensor& t) {
+  if (t.defined() && t._fw_grad(/*level=*/0).defined()) {
+    TORCH_CHECK(false, op, ": argument '", argument,
+                "' carries a forward-mode tangent: forward-mode AD (torch.func.jvp, jacfwd, "
+                "torch.autograd.forward_ad) is not supported; reverse mode is");
+  }
+}
+void refuse_tangents(const char* op, const at::Tensor& x, const OptTensor& weight,
+                     const OptTensor& bias = std::nullopt) {
+  const std::string name = std::string("fusednorm::") + op;
+  refuse_tangent(name, "x", x);
+  if (weight.has_value()) refuse_tangent(name, "weight", *weight);
+  if (bias.has_value()) refuse_tangent(name, "bias", *bias);
 }
 
 OptTensor present(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
@@ -182,6 +203,44 @@ void out_records_no_gradient(const c10::OperatorHandle& op, c10::DispatchKeySet 
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
 }
 
+// Autograd kernel of the operators that have no derivative: the backward operators and
+// the two-phase ones. Under grad mode with an input that requires grad (a backward run with
+// create_graph=True on its way to a double backward), the floating-point outputs get a
+// grad_fn that raises when reached (as torch's once_differentiable does); the autograd
+// fallback's outputs would instead have given silently zero second derivatives (checked:
+// tests/python/test_ops.py). A forward-mode tangent is refused.
+void once_differentiable_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                                torch::jit::Stack* stack) {
+  const std::string name = op.schema().operator_name().name;
+  const auto& arguments = op.schema().arguments();
+  const std::size_t first = stack->size() - arguments.size();
+  variable_list inputs;  // those that require grad
+  for (std::size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& v = (*stack)[first + i];
+    if (!v.isTensor()) continue;
+    refuse_tangent(name, arguments[i].name().c_str(), v.toTensor());
+    if (v.toTensor().requires_grad()) inputs.push_back(v.toTensor());
+  }
+  const bool wants_grad = !inputs.empty() && at::GradMode::is_enabled();
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  if (!wants_grad) return;
+  // One node whose edges lead to the inputs (so that they are reachable from the outputs,
+  // and autograd.grad gets as far as the node) and which raises when run.
+  auto error = std::make_shared<torch::autograd::Error>(
+      name +
+          " has no derivative: differentiating through fusednorm's backward (double "
+          "backward, e.g. autograd.grad with create_graph=True, then grad again) is not "
+          "supported",
+      torch::autograd::collect_next_edges(inputs));
+  const std::size_t outputs = op.schema().returns().size();
+  for (std::size_t j = stack->size() - outputs; j < stack->size(); ++j) {
+    const c10::IValue& v = (*stack)[j];
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().is_floating_point()) {
+      torch::autograd::set_history(v.toTensor(), error);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fusednorm::torch_ext
 
@@ -189,6 +248,7 @@ TORCH_LIBRARY_IMPL(fusednorm, Autograd, m) {
   using namespace fusednorm::torch_ext;
   m.impl("rms_norm",
          [](const at::Tensor& x, const OptTensor& weight, double eps, double weight_offset) {
+           refuse_tangents("rms_norm", x, weight);
            if (!needs_grad(x, weight)) {
              at::AutoDispatchBelowADInplaceOrView guard;
              return rms_norm_op().call(x, weight, eps, weight_offset);
@@ -197,11 +257,13 @@ TORCH_LIBRARY_IMPL(fusednorm, Autograd, m) {
          });
   m.impl("rms_norm_fwd",
          [](const at::Tensor& x, const OptTensor& weight, double eps, double weight_offset) {
+           refuse_tangents("rms_norm_fwd", x, weight);
            auto out = RmsNormFunction::apply(x, weight, eps, weight_offset);
            return std::make_tuple(out[0], out[1]);
          });
   m.impl("layer_norm",
          [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps) {
+           refuse_tangents("layer_norm", x, weight, bias);
            if (!needs_grad(x, weight, bias)) {
              at::AutoDispatchBelowADInplaceOrView guard;
              return layer_norm_op().call(x, weight, bias, eps);
@@ -210,11 +272,20 @@ TORCH_LIBRARY_IMPL(fusednorm, Autograd, m) {
          });
   m.impl("layer_norm_fwd",
          [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps) {
+           refuse_tangents("layer_norm_fwd", x, weight, bias);
            auto out = LayerNormFunction::apply(x, weight, bias, eps);
            return std::make_tuple(out[0], out[1], out[2]);
          });
   for (const char* name : {"rms_norm.out", "rms_norm_fwd.out", "fused_add_rms_norm.out",
                            "layer_norm.out", "layer_norm_fwd.out"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&out_records_no_gradient>());
+  }
+  for (const char* name :
+       {"rms_norm_backward", "rms_norm_partial_sum_squares", "fused_add_partial_sum_squares",
+        "rms_norm_from_sum_squares", "rms_norm_backward_partial_sums",
+        "rms_norm_backward_from_sums", "layer_norm_backward", "layer_norm_partial_sums",
+        "layer_norm_partial_squared_deviations", "layer_norm_from_sums",
+        "layer_norm_backward_partial_sums", "layer_norm_backward_from_sums"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&once_differentiable_kernel>());
   }
 }

@@ -5,7 +5,11 @@
 #include <cstdint>
 #include <sstream>
 
+#include "core/problem.h"
+
 namespace fusednorm::torch_ext {
+
+using detail::ByteRange;
 
 void fail(const char* op, const char* argument, const std::string& message) {
   TORCH_CHECK(false, "fusednorm::", op, ": argument '", argument, "': ", message);
@@ -163,6 +167,12 @@ ConstVector optional_vector(const char* op, const char* argument,
   if (v.device() != x.device()) {
     fail(op, argument, "is on " + v.device().str() + " but x is on " + x.device().str());
   }
+  // Checked here as well as in the core: an empty tensor has no address, and a null
+  // pointer there means "no weight".
+  if (x.dim() > 0 && v.numel() != x.size(-1)) {
+    fail(op, argument,
+         "size " + std::to_string(v.numel()) + " does not match D = " + std::to_string(x.size(-1)));
+  }
   const DType dtype = to_dtype(op, argument, v);
   keep_alive = v.contiguous();  // D elements; a strided weight is rare and cheap to copy
   return {keep_alive.data_ptr(), dtype, keep_alive.numel()};
@@ -271,18 +281,11 @@ float* row_stats_out(const char* op, const char* argument, const at::Tensor& t,
 
 namespace {
 
-// Half-open byte range [begin, end) that a strided tensor's elements lie in; empty when it
-// has no elements. An over-approximation for views with gaps (x[:, :k]): two interleaved
-// column slices of one tensor count as overlapping, which errs on the safe side.
-struct ByteSpan {
-  std::uintptr_t begin = 0;
-  std::uintptr_t end = 0;
-  bool overlaps(const ByteSpan& other) const {
-    return begin < end && other.begin < other.end && begin < other.end && other.begin < end;
-  }
-};
-
-ByteSpan byte_span(const at::Tensor& t) {
+// The bytes a tensor's elements lie in (core/problem.h's ByteRange; empty without
+// elements): rows of contiguous elements a uniform pitch apart where the tensor is such a
+// view (any leading dimensions that collapse into one row index), so that two column slices
+// of one matrix are not taken to overlap; else just the extent.
+ByteRange byte_span(const at::Tensor& t) {
   if (!t.defined() || t.numel() == 0) return {};
   std::int64_t low = 0, high = 0;  // element offsets of the first and last element
   for (std::int64_t i = 0; i < t.dim(); ++i) {
@@ -291,8 +294,27 @@ ByteSpan byte_span(const at::Tensor& t) {
   }
   const auto base = reinterpret_cast<std::uintptr_t>(t.data_ptr());
   const auto item = static_cast<std::intptr_t>(t.element_size());
-  return {static_cast<std::uintptr_t>(base + low * item),
-          static_cast<std::uintptr_t>(base + (high + 1) * item)};
+  const auto begin = static_cast<std::uintptr_t>(base + low * item);
+  const auto end = static_cast<std::uintptr_t>(base + (high + 1) * item);
+  ByteRange range{begin, end, end - begin, 0};
+  const std::int64_t cols = t.dim() == 0 ? 1 : t.size(-1);
+  if (t.dim() < 2 || (cols > 1 && t.stride(-1) != 1)) return range;
+  // The leading dimensions of size > 1, innermost first, must step as one row index does.
+  std::int64_t pitch = 0, expected = 0;
+  for (std::int64_t i = t.dim() - 2; i >= 0; --i) {
+    if (t.size(i) == 1) continue;
+    if (pitch == 0) {
+      pitch = t.stride(i);
+      if (pitch < cols) return range;  // rows overlap, or run backwards
+    } else if (t.stride(i) != expected) {
+      return range;
+    }
+    expected = t.stride(i) * t.size(i);
+  }
+  if (pitch == 0) return range;  // one row
+  range.width = static_cast<std::uintptr_t>(cols * item);
+  range.pitch = static_cast<std::uintptr_t>(pitch * item);
+  return range;
 }
 
 bool same_view(const at::Tensor& a, const at::Tensor& b) {
@@ -304,7 +326,7 @@ bool same_view(const at::Tensor& a, const at::Tensor& b) {
 
 void check_no_overlap(const char* op, const char* argument, const at::Tensor& out,
                       std::initializer_list<NamedInput> inputs) {
-  const ByteSpan out_span = byte_span(out);
+  const ByteRange out_span = byte_span(out);
   for (const NamedInput& in : inputs) {
     if (in.tensor == nullptr || !in.tensor->defined() || in.tensor->device() != out.device()) {
       continue;

@@ -116,8 +116,8 @@ def fused_add_rms_norm(
     ``inplace=True`` (the default, for inference): ``residual`` is overwritten with ``s``
     and ``y`` is returned. ``residual`` must not overlap ``x``; if its strides do not allow a
     rows x D view it is updated through a temporary contiguous copy. The in-place operator
-    has no autograd formula, so when a gradient is needed this runs the unfused composite
-    ``residual.add_(x); rms_norm(residual, ...)`` instead. ``out``: write y there instead of
+    has no autograd formula, so when a gradient is needed this runs the functional form
+    below and copies its ``s`` into ``residual`` (recorded by autograd). ``out``: write y there instead of
     a new tensor and return it (no gradient); ``out=x`` works in place.
 
     ``inplace=False`` (for training): no input is mutated and ``(y, residual_out)`` is
@@ -144,8 +144,16 @@ def fused_add_rms_norm(
     if torch.is_grad_enabled() and (
         x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
     ):
-        residual.add_(x)
-        return _rms_norm(residual, weight, eps, weight_offset)
+        # The in-place operator has no autograd formula: the functional one (the same checks
+        # of shapes and dtypes, the same bits, a fused backward), its sum then copied into
+        # residual, which autograd records. The in-place operator's overlap rule still holds.
+        if torch._C._overlaps(residual, x):
+            raise RuntimeError(
+                "fusednorm::fused_add_rms_norm: argument 'residual': overlaps the memory of 'x'"
+            )
+        y, residual_out, _ = _fused_add_rms_norm_fwd(x, residual, weight, eps, weight_offset)
+        residual.copy_(residual_out)
+        return y
     return _fused_add_rms_norm(x, residual, weight, eps, weight_offset)
 
 

@@ -324,7 +324,17 @@ class W8A8Linear(nn.Module):
                     f"dtype is {self.dtype}"
                 )
         else:
+            if x.dim() == 0 or x.shape[-1] != self.in_features:
+                raise ValueError(
+                    f"fusednorm.quant.W8A8Linear: x's last dimension must be in_features = "
+                    f"{self.in_features}, got shape {tuple(x.shape)}"
+                )
             act = QuantizedActivation(*quantize_per_token(x, self.dtype))
+        if act.q.shape[-1] != self.in_features:
+            raise ValueError(
+                f"fusednorm.quant.W8A8Linear: x.q's last dimension must be in_features = "
+                f"{self.in_features}, got shape {tuple(act.q.shape)}"
+            )
         q = act.q.reshape(-1, self.in_features)
         token_scale = act.scale.reshape(-1, 1)
         if q.is_cuda:

@@ -3,17 +3,47 @@
 // hand it to a backend.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include "fusednorm/fusednorm.h"
 
 namespace fusednorm::detail {
 
 // Half-open byte range [begin, end) a view touches; empty when it has no rows.
+// The bytes of a row-strided view: rows of `width` bytes, `pitch` bytes apart, within the
+// extent [begin, end) (pitch 0: a single run, the whole extent; width is then ignored). overlaps()
+// is exact for two views with the same pitch, or where either is a single run: two column slices of
+// one matrix (x[:, :64] and x[:, 64:]) do not overlap. Otherwise it compares the extents, which
+// errs on the safe side.
 struct ByteRange {
   std::uintptr_t begin = 0;
   std::uintptr_t end = 0;
+  std::uintptr_t width = 0;
+  std::uintptr_t pitch = 0;
   std::size_t bytes() const { return end - begin; }
   bool overlaps(const ByteRange& other) const {
-    return begin < end && other.begin < other.end && begin < other.end && other.begin < end;
+    if (!(begin < end && other.begin < other.end && begin < other.end && other.begin < end)) {
+      return false;
+    }
+    const std::uintptr_t p = pitch != 0 ? pitch : other.pitch;
+    if (p == 0) return true;  // two single runs whose extents meet
+    const std::uintptr_t w = run_width(), ow = other.run_width();
+    if ((pitch != 0 && other.pitch != 0 && pitch != other.pitch) || w > p || ow > p) return true;
+    // Row i here is [begin + i p, + width), row j there [other.begin + j p, + other.width):
+    // they meet iff -other.width < d + k p < width for d = other.begin - begin and some
+    // k = j - i with i, j within the row counts.
+    const auto ip = static_cast<std::int64_t>(p);
+    const std::int64_t d = static_cast<std::int64_t>(other.begin - begin);  // two's complement
+    auto floor_div = [](std::int64_t a, std::int64_t b) { return a / b - (a % b != 0 && a < 0); };
+    const auto sw = static_cast<std::int64_t>(w), sow = static_cast<std::int64_t>(ow);
+    const std::int64_t k_low = std::max(floor_div(-sow - d, ip) + 1, -(row_count() - 1));
+    const std::int64_t k_high = std::min(-floor_div(d - sw, ip) - 1, other.row_count() - 1);
+    return k_low <= k_high;
+  }
+  std::uintptr_t run_width() const { return pitch == 0 ? end - begin : width; }
+  std::int64_t row_count() const {
+    return pitch == 0 ? 1 : static_cast<std::int64_t>((end - begin - width) / pitch) + 1;
   }
 };
 
@@ -21,8 +51,11 @@ inline ByteRange byte_range(const void* data, DType dtype, std::int64_t rows, st
                             std::int64_t cols) {
   if (rows == 0 || data == nullptr) return {};
   const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const auto esize = static_cast<std::uintptr_t>(dtype_size(dtype));
   const auto elements = static_cast<std::uintptr_t>((rows - 1) * stride + cols);
-  return {begin, begin + elements * dtype_size(dtype)};
+  const std::uintptr_t pitch = rows > 1 ? static_cast<std::uintptr_t>(stride) * esize : 0;
+  return {begin, begin + elements * esize,
+          pitch == 0 ? elements * esize : static_cast<std::uintptr_t>(cols) * esize, pitch};
 }
 
 inline ByteRange byte_range(const ConstMatrix& m) {

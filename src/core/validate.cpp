@@ -188,7 +188,8 @@ void validate_quantized(const char* op, const ForwardProblem& p) {
   if (!std::isfinite(p.weight_offset)) fail(op, "weight_offset", "must be finite");
 
   const QuantScale& s = p.quant_scale;
-  if (s.static_scale == nullptr && s.row_scales == nullptr) {
+  // Zero rows need no row_scales (an empty buffer may have no address: torch's have none).
+  if (s.static_scale == nullptr && s.row_scales == nullptr && p.rows() > 0) {
     fail(op, "scale",
          "neither static_scale nor row_scales is given (exactly one: a static scale, or "
          "row_scales for dynamic per-token scales)");

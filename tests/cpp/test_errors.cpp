@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "core/problem.h"
 #include "test_util.h"
@@ -646,6 +647,79 @@ TEST(ZeroRows, NullPointersAreFine) {
     EXPECT_NO_THROW(layer_norm({}, x, {}, {}, out, nullptr, nullptr));
     EXPECT_NO_THROW(rms_norm_backward({}, x, x, {}, nullptr, out, {}));
     EXPECT_NO_THROW(layer_norm_backward({}, x, x, {}, nullptr, nullptr, out, {}, {}));
+  }
+}
+
+// Two column slices of one matrix do not overlap: x = buf[:, :D] and y = buf[:, D:] (or
+// the residual there) are accepted and give the result of separate buffers; a slice that
+// shares one column with x is still refused.
+TEST(Aliasing, SiblingColumnSlicesAreNotOverlaps) {
+  constexpr std::int64_t rows = 5, cols = 24, pitch = 3 * cols;
+  Rng rng(7);
+  Buffer buf(DType::kFloat32, rows, pitch);
+  fill_activations(buf, rng, true);
+  auto slice = [&](std::int64_t first_col) {
+    return Matrix{buf.float_data() + first_col, DType::kFloat32, rows, cols, pitch};
+  };
+  auto cslice = [&](std::int64_t first_col) {
+    const Matrix m = slice(first_col);
+    return ConstMatrix{m.data, m.dtype, m.rows, m.cols, m.row_stride};
+  };
+  Buffer x_copy(DType::kFloat32, rows, cols), expected(DType::kFloat32, rows, cols);
+  x_copy.fill([&](std::int64_t r, std::int64_t j) { return buf.at(r, j); });
+  rms_norm({}, x_copy.cmatrix(), {}, expected.matrix(), nullptr);
+  rms_norm({}, cslice(0), {}, slice(cols), nullptr);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < cols; ++j) EXPECT_EQ(buf.at(r, cols + j), expected.at(r, j));
+  }
+  fused_add_rms_norm({}, cslice(0), slice(cols), {}, slice(2 * cols), nullptr);
+  EXPECT_FUSEDNORM_ERROR(rms_norm({}, cslice(0), {}, slice(cols - 1), nullptr),
+                         "fusednorm::rms_norm", "argument 'y'", "overlaps 'x'");
+  EXPECT_FUSEDNORM_ERROR(
+      fused_add_rms_norm({}, cslice(0), slice(cols - 1), {}, slice(2 * cols), nullptr),
+      "fusednorm::fused_add_rms_norm", "argument 'residual'", "overlaps 'x'");
+}
+
+// ByteRange::overlaps against the byte sets themselves, over small views of every layout.
+TEST(Aliasing, ByteRangeOverlapIsExactForOnePitch) {
+  struct View {
+    std::int64_t offset, rows, stride, cols;
+  };
+  std::vector<View> views;
+  for (std::int64_t offset : {0, 1, 3, 5, 8}) {
+    for (std::int64_t rows : {1, 2, 3}) {
+      for (std::int64_t stride : {4, 6}) {
+        for (std::int64_t cols : {1, 2, 4}) views.push_back({offset, rows, stride, cols});
+      }
+    }
+  }
+  auto bytes_of = [](const View& v) {
+    std::vector<bool> used(64, false);
+    for (std::int64_t r = 0; r < v.rows; ++r) {
+      for (std::int64_t j = 0; j < v.cols; ++j)
+        used[static_cast<std::size_t>(v.offset + r * v.stride + j)] = true;
+    }
+    return used;
+  };
+  alignas(8) static unsigned char memory[64];
+  for (const View& a : views) {
+    for (const View& b : views) {
+      const auto ra = detail::byte_range(memory + a.offset, DType::kInt8, a.rows, a.stride, a.cols);
+      const auto rb = detail::byte_range(memory + b.offset, DType::kInt8, b.rows, b.stride, b.cols);
+      const std::vector<bool> ua = bytes_of(a), ub = bytes_of(b);
+      bool shared = false;
+      for (std::size_t i = 0; i < ua.size(); ++i) shared = shared || (ua[i] && ub[i]);
+      SCOPED_TRACE(::testing::Message()
+                   << a.offset << "/" << a.rows << "/" << a.stride << "/" << a.cols << " vs "
+                   << b.offset << "/" << b.rows << "/" << b.stride << "/" << b.cols);
+      const bool one_pitch = a.rows == 1 || b.rows == 1 || a.stride == b.stride;
+      if (one_pitch) {
+        EXPECT_EQ(ra.overlaps(rb), shared);
+        EXPECT_EQ(rb.overlaps(ra), shared);
+      } else if (shared) {
+        EXPECT_TRUE(ra.overlaps(rb));  // never missed, where it may over-approximate
+      }
+    }
   }
 }
 

@@ -203,6 +203,64 @@ def test_fused_add_rms_norm_strided_residual_is_updated_in_place():
     assert_close_normalized(y, rms_norm_ref(expected), TOL[torch.float32], "y")
 
 
+def test_fused_add_rms_norm_with_grad_checks_its_arguments():
+    # The gradient path (the functional operator, then a copy into residual) refuses what the
+    # in-place operator refuses, instead of broadcasting, promoting or aliasing.
+    w = _leaf(torch.ones(64))
+    cases = {
+        "broadcast x": (torch.randn(1, 64), torch.randn(4, 64), "'residual'"),
+        "dtype": (torch.randn(4, 64), torch.randn(4, 64, dtype=torch.bfloat16), "'residual'"),
+    }
+    for name, (x, residual, argument) in cases.items():
+        with pytest.raises(RuntimeError, match=argument):
+            fusednorm.fused_add_rms_norm(x, residual, w, 1e-6)
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="overlaps the memory of 'x'"):
+        fusednorm.fused_add_rms_norm(x, x, w, 1e-6)
+
+
+def test_double_backward_raises_instead_of_giving_zeros():
+    # The backward operators have no derivative: differentiating through them must fail
+    # loudly (the autograd fallback used to give second derivatives of 0).
+    c = torch.randn(8, dtype=torch.float64)
+    for norm in (
+        lambda t: fusednorm.rms_norm(t, None, 1e-6),
+        lambda t: fusednorm.layer_norm(t, None, None, 1e-5),
+        lambda t: fusednorm.fused_add_rms_norm(t, torch.zeros_like(t), None, 1e-6, inplace=False)[0],
+    ):
+        x = _leaf(torch.randn(3, 8, dtype=torch.float64))
+        (g,) = torch.autograd.grad(((norm(x) * c) ** 3).sum(), x, create_graph=True)
+        assert g.requires_grad
+        with pytest.raises(RuntimeError, match="has no derivative"):
+            torch.autograd.grad((g * c.flip(0)).sum(), x)
+    # create_graph alone (first derivatives only) still works and gives the usual gradient.
+    x = _leaf(torch.randn(3, 8, dtype=torch.float64))
+    (g,) = torch.autograd.grad(fusednorm.rms_norm(x, None, 1e-6).pow(2).sum(), x, create_graph=True)
+    xr = _leaf(x.detach())
+    (gr,) = torch.autograd.grad(F.rms_norm(xr, (8,), None, 1e-6).pow(2).sum(), xr)
+    torch.testing.assert_close(g.detach(), gr, rtol=1e-10, atol=1e-10)
+
+
+def test_forward_mode_ad_is_refused():
+    # No forward-mode formula: a tangent must be refused, never dropped (jacfwd used to give
+    # an all-zero Jacobian).
+    import torch.autograd.forward_ad as fwAD
+    import torch.func
+
+    x = torch.randn(3, 8, dtype=torch.float64)
+    w = torch.randn(8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="forward-mode"):
+        torch.func.jacfwd(lambda t: fusednorm.rms_norm(t, w))(x)
+    with pytest.raises(RuntimeError, match="forward-mode"):
+        torch.func.jacfwd(lambda t: fusednorm.layer_norm(t, w))(x)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="forward-mode"):
+            fusednorm.rms_norm(dual, w)
+        with pytest.raises(RuntimeError, match="forward-mode"):
+            torch.ops.fusednorm.rms_norm_backward(dual, x, w, None, 1e-6, 0.0, True)
+
+
 def test_fused_add_rms_norm_with_grad_falls_back_to_composite():
     x = _leaf(torch.randn(4, 16))
     w = _leaf(torch.randn(16))
@@ -409,6 +467,17 @@ BAD_CALLS = {
         "'bias'",
     ),
     "sparse x": (lambda: ops.rms_norm(torch.eye(4).to_sparse(), None, 1e-6, 0.0), ""),
+    # An empty tensor has no address: it must not pass for "no weight" / "no bias".
+    "empty weight": (lambda: ops.rms_norm(torch.ones(2, 4), torch.ones(0), 1e-6, 0.0), "'weight'"),
+    "empty layer_norm weight": (
+        lambda: ops.layer_norm(torch.ones(2, 4), torch.ones(0), None, 1e-5),
+        "'weight'",
+    ),
+    "empty bias": (lambda: ops.layer_norm(torch.ones(2, 4), None, torch.ones(0), 1e-5), "'bias'"),
+    "empty quant weight": (
+        lambda: ops.rms_norm_quant(torch.ones(2, 4), torch.ones(0), dtype=torch.int8),
+        "'weight'",
+    ),
 }
 
 

@@ -178,6 +178,25 @@ def test_out_allocates_nothing(dtype):
 # ---- in place: out=x ------------------------------------------------------------------
 
 
+def test_sibling_column_slices_are_not_overlaps():
+    # A fused buffer's column slices (q | k | v style): x, residual and out in disjoint
+    # columns of one tensor share no byte and are accepted; one shared column is refused.
+    buf = torch.randn(6, 3, 192)
+    x, r, y = buf[..., :64], buf[..., 64:128], buf[..., 128:]
+    expected_sum = x + r
+    expected = ops.rms_norm(x.clone(), None, 1e-6, 0.0)
+    assert fusednorm.rms_norm(x, None, 1e-6, out=y) is y
+    assert torch.equal(y, expected)
+    y_fused = fusednorm.fused_add_rms_norm(x, r, None, 1e-6)
+    assert torch.equal(r, expected_sum)
+    assert torch.equal(y_fused, ops.rms_norm(expected_sum, None, 1e-6, 0.0))
+    fusednorm.fused_add_rms_norm(x, r, None, 1e-6, out=y)
+    with pytest.raises(RuntimeError, match="argument 'out'"):
+        fusednorm.rms_norm(x, None, 1e-6, out=buf[..., 63:127])
+    with pytest.raises(RuntimeError, match="argument 'residual'"):
+        fusednorm.fused_add_rms_norm(x, buf[..., 63:127], None, 1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_out_is_x_in_place(dtype):
     base = _randn(4, 2, 72, dtype=dtype)

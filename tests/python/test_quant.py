@@ -157,6 +157,23 @@ def test_zero_row(qdtype):
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES, ids=str)
+def test_no_rows_is_a_no_op_in_both_modes(qdtype):
+    # Zero rows give empty outputs, as every other operator does (the dynamic mode's empty
+    # scale tensor has no address, which once read as "no scale given").
+    for shape in [(0, 64), (2, 0, 64)]:
+        x = torch.randn(shape)
+        q, s = fusednorm.rms_norm_quant(x, dtype=qdtype)
+        assert q.shape == shape and q.dtype == qdtype and s.shape == shape[:-1] + (1,)
+        q, s = fusednorm.rms_norm_quant(x, dtype=qdtype, scale=torch.tensor([0.5]))
+        assert q.shape == shape
+        residual = torch.randn(shape)
+        q, s = fusednorm.fused_add_rms_norm_quant(x, residual, dtype=qdtype)
+        assert q.shape == shape and s.shape == shape[:-1] + (1,)
+        out = (torch.empty(shape, dtype=qdtype), torch.empty(shape[:-1] + (1,)))
+        assert fusednorm.rms_norm_quant(x, dtype=qdtype, out=out)[0] is out[0]
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
 def test_nan_stays_in_its_row(qdtype, mode):
     x = torch.randn(3, 64)

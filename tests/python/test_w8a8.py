@@ -226,6 +226,14 @@ def test_bench_w8a8_runs_and_every_int8_gemm_is_exact(capsys):
     assert ("w8a8_fp8" in out) == (quant.fp8_unsupported_reason() is None)
 
 
+def test_wrong_in_features_is_a_clear_error():
+    layer = quant.W8A8Linear.from_linear(torch.nn.Linear(16, 8))
+    with pytest.raises(ValueError, match="in_features = 16"):
+        layer(torch.randn(2, 12))
+    with pytest.raises(ValueError, match="in_features = 16"):
+        layer(quant.QuantizedActivation(*quant.quantize_per_token(torch.randn(2, 12), torch.int8)))
+
+
 def test_unknown_gemm_is_a_clear_error():
     with pytest.raises(ValueError, match="W8A8Linear: gemm must be one of"):
         quant.W8A8Linear.from_linear(torch.nn.Linear(16, 8), gemm="mkl")
