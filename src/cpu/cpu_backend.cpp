@@ -397,13 +397,19 @@ struct ForwardCall {
         [&](std::int64_t b, std::int64_t n, float m) { return centered_stat(r, b, n, m); });
   }
   // Rows r and r + 1's statistics (the bits of row_stats), their first sums read side by
-  // side; for rows that reads_pairs() allows.
-  bool reads_pairs() const { return p.phase == Phase::kWhole && !p.has_residual(); }
+  // side (for the fused add, both rows' residual adds); for rows that reads_pairs() allows.
+  bool reads_pairs() const { return p.phase == Phase::kWhole; }
   void row_stats_pair(std::int64_t r, RowStats* stats) const {
-    const RowPairSumFn pair_fn = k.first_stat_pair[centered];
     const std::array<float, 2> first_total =
         chunked_sum_pair(p.cols(), [&](std::int64_t b, std::int64_t n, float* sums) {
-          pair_fn(advance(x_row(r), b, esize), advance(x_row(r + 1), b, esize), n, sums);
+          if (p.has_residual()) {
+            k.add_residual_pair(advance(x_row(r), b, esize), advance(x_row(r + 1), b, esize),
+                                advance(residual_row(r), b, esize),
+                                advance(residual_row(r + 1), b, esize), n, sums);
+          } else {
+            k.first_stat_pair[centered](advance(x_row(r), b, esize),
+                                        advance(x_row(r + 1), b, esize), n, sums);
+          }
         });
     for (std::int64_t i = 0; i < 2; ++i) {
       stats[i] = row_stats_from_first_total(

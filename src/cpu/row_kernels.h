@@ -57,6 +57,9 @@ using SumSquaresFn = float (*)(const void* x, std::int64_t n, float center);
 using RowPairSumFn = void (*)(const void* x0, const void* x1, std::int64_t n, float* sums);
 // residual <- round(x + residual); returns the sum of squares of the rounded residual.
 using AddResidualFn = float (*)(const void* x, void* residual, std::int64_t n);
+// The same for two rows side by side: sums[k] has the bits of row k's add_residual.
+using AddResidualPairFn = void (*)(const void* x0, const void* x1, void* residual0, void* residual1,
+                                   std::int64_t n, float* sums);
 // y = (x - mean) * rstd [* (w + w_offset)] [+ b]; w and b in the dtypes of the table slot
 // (ParamType). w_offset comes from kernel_weight_offset(); the kernels of offset slot 0 and
 // the centered (LayerNorm) kernels have none and ignore it.
@@ -155,6 +158,7 @@ struct DTypeKernels {
   SumSquaresFn sum_squares[2];      // [centered]
   RowPairSumFn first_stat_pair[2];  // [centered]: sum_squares[0] (RMSNorm) or sum (LayerNorm)
   AddResidualFn add_residual;
+  AddResidualPairFn add_residual_pair;
   // [stream][centered][weight ParamType][bias ParamType][offset_slot]
   NormalizeFn normalize[2][2][3][3][2];
   RmsRowsFn rms_rows[2][3][2];         // [fused residual add][weight ParamType][offset_slot]

@@ -130,8 +130,8 @@ TEST_P(DeterminismTest, BackwardAcrossThreadCounts) {
 }
 
 // A row's outputs do not depend on the rows beside it: the forward reads rows two at a time
-// (first_stat_pair) where it can, and each must get the bits of a call on that row alone.
-// Odd row counts leave a last row outside any pair. (Batches of several rows, and so the
+// (first_stat_pair, add_residual_pair) where it can, and each must get the bits of a call on that
+// row alone. Odd row counts leave a last row outside any pair. (Batches of several rows, and so the
 // pairs of forward_rows, need streamed outputs: the streaming_stores ctest run gives them.)
 TEST_P(DeterminismTest, EachRowHasTheBitsOfItsOwnCall) {
   const float static_scale = 0.03125f;
@@ -202,6 +202,29 @@ TEST_P(DeterminismTest, EachRowHasTheBitsOfItsOwnCall) {
       EXPECT_TRUE(whole.bytes == alone.bytes);
       EXPECT_EQ(0, std::memcmp(stats.data(), alone_stats.data(), stats.size() * sizeof(float)));
     }
+    // The fused add (its rows' residual adds read two rows at a time too): y, the updated
+    // residual and rstd of the whole call against each row alone.
+    Buffer residual_start(dtype(), s.rows, s.cols);
+    fill_activations(residual_start, rng, false);
+    Buffer whole_residual(dtype(), s.rows, s.cols), alone_residual(dtype(), s.rows, s.cols);
+    whole_residual.restore(residual_start.snapshot());
+    alone_residual.restore(residual_start.snapshot());
+    Buffer whole_y(dtype(), s.rows, s.cols), alone_y(dtype(), s.rows, s.cols);
+    std::vector<float> whole_rstd(s.rows, -1.0f), alone_rstd(s.rows, -1.0f);
+    fused_add_rms_norm({}, x.cmatrix(), whole_residual.matrix(), w.cvector(), whole_y.matrix(),
+                       whole_rstd.data());
+    auto row_view = [&](Buffer& m, std::int64_t r) {
+      return Matrix{static_cast<unsigned char*>(m.data()) + row_offset(m, r), m.dtype(), 1, s.cols,
+                    m.row_stride()};
+    };
+    for (std::int64_t r = 0; r < s.rows; ++r) {
+      fused_add_rms_norm({}, x_row(r), row_view(alone_residual, r), w.cvector(),
+                         row_view(alone_y, r), alone_rstd.data() + r);
+    }
+    EXPECT_TRUE(same_bits({whole_y.snapshot(), whole_residual.snapshot()},
+                          {alone_y.snapshot(), alone_residual.snapshot()}))
+        << "fused_add_rms_norm";
+    EXPECT_EQ(whole_rstd, alone_rstd) << "fused_add_rms_norm rstd";
   }
 }
 

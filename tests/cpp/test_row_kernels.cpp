@@ -75,6 +75,7 @@ TEST(RowKernels, EveryTargetIsListedAndComplete) {
       EXPECT_NE(k.first_stat_pair[0], nullptr);
       EXPECT_NE(k.first_stat_pair[1], nullptr);
       EXPECT_NE(k.add_residual, nullptr);
+      EXPECT_NE(k.add_residual_pair, nullptr);
       for (int residual = 0; residual < 2; ++residual) {
         for (int w = 0; w < 3; ++w) {
           for (int o = 0; o < 2; ++o) EXPECT_NE(k.rms_rows[residual][w][o], nullptr);
@@ -198,6 +199,24 @@ TEST_P(RowKernelTest, AddResidualRoundsOnceAndStaysInTheRow) {
       // fused_add_rms_norm and rms_norm of its residual give the same rstd bits.
       EXPECT_EQ(detail::float_bits(got),
                 detail::float_bits(k.sum_squares[0](residual.data(), n, 0.0f)));
+      // The pair kernel: each row gets the one-row kernel's residual and sum, and writes
+      // nothing outside its rows (the guards). Row 1 adds residual (already updated) again.
+      Buffer x1 = Buffer::vector_of(dtype(), n), r0 = Buffer::vector_of(dtype(), n);
+      Buffer r1 = Buffer::vector_of(dtype(), n);
+      fill_wide_range(x1, rng);
+      fill_wide_range(r0, rng);
+      r1.fill([&](std::int64_t, std::int64_t j) { return residual.at(j); });
+      Buffer single0 = Buffer::vector_of(dtype(), n), single1 = Buffer::vector_of(dtype(), n);
+      single0.restore(r0.snapshot());
+      single1.restore(r1.snapshot());
+      const float want0 = k.add_residual(x.data(), single0.data(), n);
+      const float want1 = k.add_residual(x1.data(), single1.data(), n);
+      float pair[2] = {-1.0f, -1.0f};
+      k.add_residual_pair(x.data(), x1.data(), r0.data(), r1.data(), n, pair);
+      EXPECT_EQ(detail::float_bits(pair[0]), detail::float_bits(want0));
+      EXPECT_EQ(detail::float_bits(pair[1]), detail::float_bits(want1));
+      EXPECT_TRUE(r0.snapshot() == single0.snapshot()) << "pair row 0's residual";
+      EXPECT_TRUE(r1.snapshot() == single1.snapshot()) << "pair row 1's residual";
     }
   }
 }
