@@ -94,7 +94,9 @@ bool needs_grad(const at::Tensor& x, const OptTensor& a, const OptTensor& b = st
 // Forward-mode AD (torch.autograd.forward_ad, torch.func.jvp and jacfwd) has no formula in
 // fusednorm: an input carrying a tangent is refused. Without this check its tangent was
 // dropped and the output's came out as zeros (jacfwd gave a zero Jacobian), silently.
-void refuse_tangent(const std::string& op, const char* argument, const at::Tensor& t) {
+// op: the operator's full name ("fusednorm::rms_norm"); nothing is built unless it fails
+// (these checks run on every call of the forward).
+void refuse_tangent(const char* op, const char* argument, const at::Tensor& t) {
   if (t.defined() && t._fw_grad(/*level=*/0).defined()) {
     TORCH_CHECK(false, op, ": argument '", argument,
                 "' carries a forward-mode tangent: forward-mode AD (torch.func.jvp, jacfwd, "
@@ -103,10 +105,9 @@ void refuse_tangent(const std::string& op, const char* argument, const at::Tenso
 }
 void refuse_tangents(const char* op, const at::Tensor& x, const OptTensor& weight,
                      const OptTensor& bias = std::nullopt) {
-  const std::string name = std::string("fusednorm::") + op;
-  refuse_tangent(name, "x", x);
-  if (weight.has_value()) refuse_tangent(name, "weight", *weight);
-  if (bias.has_value()) refuse_tangent(name, "bias", *bias);
+  refuse_tangent(op, "x", x);
+  if (weight.has_value()) refuse_tangent(op, "weight", *weight);
+  if (bias.has_value()) refuse_tangent(op, "bias", *bias);
 }
 
 OptTensor present(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
@@ -211,14 +212,14 @@ void out_records_no_gradient(const c10::OperatorHandle& op, c10::DispatchKeySet 
 // tests/python/test_ops.py). A forward-mode tangent is refused.
 void once_differentiable_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                                 torch::jit::Stack* stack) {
-  const std::string name = op.schema().operator_name().name;
+  const std::string& name = op.schema().operator_name().name;
   const auto& arguments = op.schema().arguments();
   const std::size_t first = stack->size() - arguments.size();
   variable_list inputs;  // those that require grad
   for (std::size_t i = 0; i < arguments.size(); ++i) {
     const c10::IValue& v = (*stack)[first + i];
     if (!v.isTensor()) continue;
-    refuse_tangent(name, arguments[i].name().c_str(), v.toTensor());
+    refuse_tangent(name.c_str(), arguments[i].name().c_str(), v.toTensor());
     if (v.toTensor().requires_grad()) inputs.push_back(v.toTensor());
   }
   const bool wants_grad = !inputs.empty() && at::GradMode::is_enabled();
@@ -248,7 +249,7 @@ TORCH_LIBRARY_IMPL(fusednorm, Autograd, m) {
   using namespace fusednorm::torch_ext;
   m.impl("rms_norm",
          [](const at::Tensor& x, const OptTensor& weight, double eps, double weight_offset) {
-           refuse_tangents("rms_norm", x, weight);
+           refuse_tangents("fusednorm::rms_norm", x, weight);
            if (!needs_grad(x, weight)) {
              at::AutoDispatchBelowADInplaceOrView guard;
              return rms_norm_op().call(x, weight, eps, weight_offset);
@@ -257,13 +258,13 @@ TORCH_LIBRARY_IMPL(fusednorm, Autograd, m) {
          });
   m.impl("rms_norm_fwd",
          [](const at::Tensor& x, const OptTensor& weight, double eps, double weight_offset) {
-           refuse_tangents("rms_norm_fwd", x, weight);
+           refuse_tangents("fusednorm::rms_norm_fwd", x, weight);
            auto out = RmsNormFunction::apply(x, weight, eps, weight_offset);
            return std::make_tuple(out[0], out[1]);
          });
   m.impl("layer_norm",
          [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps) {
-           refuse_tangents("layer_norm", x, weight, bias);
+           refuse_tangents("fusednorm::layer_norm", x, weight, bias);
            if (!needs_grad(x, weight, bias)) {
              at::AutoDispatchBelowADInplaceOrView guard;
              return layer_norm_op().call(x, weight, bias, eps);
@@ -272,7 +273,7 @@ TORCH_LIBRARY_IMPL(fusednorm, Autograd, m) {
          });
   m.impl("layer_norm_fwd",
          [](const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps) {
-           refuse_tangents("layer_norm_fwd", x, weight, bias);
+           refuse_tangents("fusednorm::layer_norm_fwd", x, weight, bias);
            auto out = LayerNormFunction::apply(x, weight, bias, eps);
            return std::make_tuple(out[0], out[1], out[2]);
          });

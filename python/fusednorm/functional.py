@@ -117,8 +117,8 @@ def fused_add_rms_norm(
     and ``y`` is returned. ``residual`` must not overlap ``x``; if its strides do not allow a
     rows x D view it is updated through a temporary contiguous copy. The in-place operator
     has no autograd formula, so when a gradient is needed this runs the functional form
-    below and copies its ``s`` into ``residual`` (recorded by autograd). ``out``: write y there instead of
-    a new tensor and return it (no gradient); ``out=x`` works in place.
+    below and copies its ``s`` into ``residual`` (recorded by autograd). ``out``: write y
+    there instead of a new tensor and return it (no gradient); ``out=x`` works in place.
 
     ``inplace=False`` (for training): no input is mutated and ``(y, residual_out)`` is
     returned, ``residual_out = s``. Differentiable in x, residual and weight with a fused

@@ -327,8 +327,9 @@ void SumSquaresPair(const void* x0, const void* x1, int64_t n, float* sums) {
 
 // residual <- round(x + residual) over kRows rows side by side (as SumOfRows reads them);
 // returns each row's sum of squares of the rounded residual, added as SumSquaresOfRow adds
-// them (the same bits). Shared by the one-row kernel and RmsRows, as SumSquaresOfRow is. bf16 pairs go in the parity layout: callgrind, AVX2,
-// fused_add_rms_norm 16 x 4096 bf16: AddResidual 8.72 M -> 5.90 M instructions.
+// them (the same bits). Shared by the one-row kernel and RmsRows, as SumSquaresOfRow is.
+// bf16 pairs go in the parity layout: callgrind, AVX2, fused_add_rms_norm 16 x 4096 bf16:
+// AddResidual 8.72 M -> 5.90 M instructions.
 template <typename T, size_t kRows>
 HWY_INLINE std::array<float, kRows> AddResidualOfRows(DF df, const std::array<const T*, kRows>& x,
                                                       const std::array<T*, kRows>& residual,
