@@ -176,9 +176,9 @@ HWY_INLINE VI QuantizeE4M3(DF df, VF v) {
   // (sum - bits(2^14)) >> 20 is (exponent - 141) << 3 (k < 2^20 shifts out); 2^14 is B below 2^-6.
   const auto magnitude = hn::Add(hn::ShiftRight<20>(hn::Sub(sum, hn::Set(di, 141 << 23))),
                                  hn::And(sum, hn::Set(di, 0x1f)));
-  const auto sign =
-      hn::BitCast(di, hn::And(hn::ShiftRight<24>(hn::BitCast(du, bits)), hn::Set(du, 0x80u)));
-  const auto code = hn::Or(sign, magnitude);
+  // code = magnitude | (sign bit moved to bit 7): one ternary-logic instruction on AVX-512.
+  const auto code = hn::OrAnd(magnitude, hn::BitCast(di, hn::ShiftRight<24>(hn::BitCast(du, bits))),
+                              hn::Set(di, 0x80));
   if constexpr (kRange != QuantRange::kAny) return code;
   // NaN: the canonical 0x7f, sign dropped (quantize.h, as CUDA's conversions).
   return hn::IfThenElse(hn::Gt(abs_bits, hn::Set(di, 0x7f800000)), hn::Set(di, 0x7f), code);
@@ -209,8 +209,12 @@ HWY_INLINE void StoreBytes(VI v, uint8_t* p) {
 // once, which StoreBytes (Highway 1.0's DemoteTo, one vector) cannot use: on AVX2 three packs
 // and one permute here against three shuffles per vector there. Within 128-bit registers the
 // packs keep lane order; AVX2's work per 128-bit half, so its bytes come out as the 4-byte
-// groups a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7 and one permute orders them. Other targets
-// (AVX-512 narrows a vector in one instruction) store vector by vector.
+// groups a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7 and one permute orders them; AVX-512's
+// four 128-bit lanes the same way, in one permute. AVX-512 narrows a vector in one instruction
+// too (vpmov[u]sdb), but on Zen 4 the four of those cost more than three packs and a permute:
+// in L1, quantize int8 2.35 -> 1.75 cycles per 8 elements, e4m3 6.15 -> 5.1
+// (fusednorm-kernel-cycles; docs/PERFORMANCE.md, fourteenth session). Other targets store
+// vector by vector.
 template <bool kFp8>
 HWY_INLINE void StoreBytes4(VI a, VI b, VI c, VI d, uint8_t* p) {
 #if HWY_TARGET == HWY_AVX2
@@ -219,6 +223,12 @@ HWY_INLINE void StoreBytes4(VI a, VI b, VI c, VI d, uint8_t* p) {
   const __m256i bytes = kFp8 ? _mm256_packus_epi16(ab, cd) : _mm256_packs_epi16(ab, cd);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permutevar8x32_epi32(bytes, order));
+#elif HWY_TARGET <= HWY_AVX3
+  const __m512i ab = _mm512_packs_epi32(a.raw, b.raw);
+  const __m512i cd = _mm512_packs_epi32(c.raw, d.raw);
+  const __m512i bytes = kFp8 ? _mm512_packus_epi16(ab, cd) : _mm512_packs_epi16(ab, cd);
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_si512(p, _mm512_permutexvar_epi32(order, bytes));
 #elif HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_SSSE3
   const __m128i ab = _mm_packs_epi32(a.raw, b.raw);
   const __m128i cd = _mm_packs_epi32(c.raw, d.raw);
