@@ -33,9 +33,14 @@ def _check_input(cls: str, x: torch.Tensor, normalized_shape: tuple[int, ...]) -
 
 
 def _weight_for(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor | None:
-    # The kernels take a weight in x's dtype or fp32. Torch's modules accept any float
-    # weight; widening another one to fp32 is exact and keeps them interchangeable.
-    if w is None or w.dtype == x.dtype or w.dtype == torch.float32:
+    # The kernels take a weight in x's dtype or fp32, and a float64 call takes float64 only.
+    # Torch's modules accept any float weight; widening it (to fp64 for a float64 input, as
+    # torch computes that call, else to fp32) is exact and keeps them interchangeable.
+    if w is None or w.dtype == x.dtype:
+        return w
+    if x.dtype == torch.float64:
+        return w.double()
+    if w.dtype == torch.float32:
         return w
     return w.float()
 

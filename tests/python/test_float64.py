@@ -66,6 +66,34 @@ def test_gradcheck_modules(device):
     assert torch.autograd.gradcheck(norm, (x,))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_modules_take_float64_input_with_fp32_parameters(device):
+    # torch.nn.RMSNorm with fp32 parameters accepts a float64 input and computes in fp64 (its
+    # LayerNorm refuses the mix on the CPU); the drop-ins widen the parameters (exactly) and
+    # compute in fp64, the gradients reaching the fp32 parameters.
+    x = torch.randn(3, 10, dtype=torch.float64, device=device)
+    w = 1 + 0.3 * torch.arange(10.0, device=device)
+    eps = float(torch.tensor(1e-6, dtype=torch.float32))
+    rms, layer = fusednorm.RMSNorm(10, eps=eps).to(device), fusednorm.LayerNorm(10).to(device)
+    cases = (
+        (rms, lambda: torch.nn.functional.rms_norm(x, (10,), w.double(), eps)),
+        (layer, lambda: torch.nn.functional.layer_norm(
+            x, (10,), w.double(), layer.bias.detach().double(), layer.eps)),
+    )
+    for module, reference in cases:
+        with torch.no_grad():
+            module.weight.copy_(w)
+        y = module(x)
+        assert y.dtype == torch.float64
+        torch.testing.assert_close(y, reference(), rtol=1e-12, atol=1e-12)
+        y.sum().backward()
+        assert module.weight.grad is not None and module.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(rms(x), torch.nn.RMSNorm(10, eps=eps).to(device)(x) * w.double(),
+                               rtol=1e-12, atol=1e-12)
+    y, residual_out = fusednorm.FusedAddRMSNorm(10).to(device)(x, x)
+    assert y.dtype == residual_out.dtype == torch.float64
+
+
 # ---- fp64 forward against torch in fp64 ----------------------------------------------------
 
 
