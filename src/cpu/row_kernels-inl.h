@@ -86,7 +86,11 @@ constexpr PairLayout kPairLayout = (std::is_same_v<T, hwy::bfloat16_t> &&
 // make is taken and captured by value: Highway's stores go through vector types that may
 // alias anything, so captured references would be reloaded from memory after every store
 // (the streamed fp16 forward write pass, 16384 x 4096 on one thread, took 10.0 ms instead
-// of 6.9 ms).
+// of 6.9 ms). make must not capture the empty tag DF (it declares its own, `const DF d;`):
+// GCC 12 zero-fills a closure holding an empty member (rep stos) before filling it, and the
+// wide loads that copy the closure into this parameter then wait for those small stores
+// (no store forwarding): about 8 % of perf's samples of the four-row short-row group
+// (fp16, D = 128, AVX3; docs/PERFORMANCE.md, fourteenth session).
 // Ordinary stores of [begin, end) of each row: whole vectors, then one staged partial
 // vector. Inlined, so that make's members stay in registers where the caller's copy is a
 // local whose address does not escape.
@@ -141,7 +145,7 @@ void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make,
         auto store_range = [=](int64_t begin, int64_t end) {
           const MakeFn make_here = make;
           const std::array<T*, kRows> out_here = out;
-          StoreRows<T, kNaNs, kRows, kLayout>(df, out_here, make_here, begin, end);
+          StoreRows<T, kNaNs, kRows, kLayout>(DF(), out_here, make_here, begin, end);
         };
         store_range(0, first_line);
         if (descending) {
@@ -455,17 +459,18 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
   WriteRow<T, kStream, kNaNs, kPairLayout<T, W, B>>(
       df, y, n,
       [=](auto full, int64_t i, size_t count) {
-        VF out = LoadElements(full, df, x + i, count);
+        const DF d;  // not captured: see WriteRows
+        VF out = LoadElements(full, d, x + i, count);
         if constexpr (kCentered) out = hn::Sub(out, vmean);
         out = hn::Mul(out, vrstd);
         if constexpr (!std::is_void_v<W>) {
           // Without an offset (LayerNorm's weights, most RMSNorm ones) no add, which also lets
           // the compiler fold the weight's load into the multiply.
-          VF wv = LoadParam<W>(full, df, w, i, count);
+          VF wv = LoadParam<W>(full, d, w, i, count);
           if constexpr (kOffset) wv = hn::Add(wv, voffset);
           out = hn::Mul(out, wv);
         }
-        if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, df, b, i, count));
+        if constexpr (!std::is_void_v<B>) out = hn::Add(out, LoadParam<B>(full, d, b, i, count));
         return out;
       },
       kStream && StreamDescending(y, x));
@@ -502,12 +507,13 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
   const void* w = rows.w;
   constexpr NaNPayloads kNaNs = kOutputNaNs<T, W>;  // rstd is computed from the rows here
   auto make = [=](auto full, int64_t i, size_t count) {
-    VF wv = hn::Zero(df);
-    if constexpr (!std::is_void_v<W>) wv = LoadParam<W>(full, df, w, i, count);
+    const DF d;  // not captured: see WriteRows
+    VF wv = hn::Zero(d);
+    if constexpr (!std::is_void_v<W>) wv = LoadParam<W>(full, d, w, i, count);
     if constexpr (kOffset) wv = hn::Add(wv, voffset);
     std::array<VF, kGroup> result;
     for (size_t k = 0; k < kGroup; ++k) {
-      result[k] = hn::Mul(LoadElements(full, df, source[k] + i, count), vrstd[k]);
+      result[k] = hn::Mul(LoadElements(full, d, source[k] + i, count), vrstd[k]);
       if constexpr (!std::is_void_v<W>) result[k] = hn::Mul(result[k], wv);
     }
     return result;
@@ -558,13 +564,14 @@ void LayerRowGroup(const LayerRows& rows, int64_t first) {
   const void* w = rows.w;
   const void* b = rows.b;
   auto make = [=](auto full, int64_t i, size_t count) {
-    VF wv = hn::Zero(df), bv = hn::Zero(df);
-    if constexpr (!std::is_void_v<W>) wv = LoadParam<W>(full, df, w, i, count);
-    if constexpr (!std::is_void_v<B>) bv = LoadParam<B>(full, df, b, i, count);
+    const DF d;  // not captured: see WriteRows
+    VF wv = hn::Zero(d), bv = hn::Zero(d);
+    if constexpr (!std::is_void_v<W>) wv = LoadParam<W>(full, d, w, i, count);
+    if constexpr (!std::is_void_v<B>) bv = LoadParam<B>(full, d, b, i, count);
     std::array<VF, kGroup> result;
     for (size_t k = 0; k < kGroup; ++k) {
       result[k] =
-          hn::Mul(hn::Sub(LoadElements(full, df, source[k] + i, count), vmean[k]), vrstd[k]);
+          hn::Mul(hn::Sub(LoadElements(full, d, source[k] + i, count), vmean[k]), vrstd[k]);
       if constexpr (!std::is_void_v<W>) result[k] = hn::Mul(result[k], wv);
       if constexpr (!std::is_void_v<B>) result[k] = hn::Add(result[k], bv);
     }
@@ -683,23 +690,24 @@ void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* d
   // BackwardApplyRows 9.13 M -> 7.72 M instructions.
   constexpr NaNPayloads kNaNs = NaNPayloads::kNarrow;
   WriteRows<T, kStream, kNaNs, kRows>(df, dx, n, [=](auto full, int64_t i, size_t count) {
-    const VF wv = kWeight ? LoadElements(full, df, w + i, count) : hn::Zero(df);
-    VF dw_sum = kDw ? LoadElements(full, df, dw_acc + i, count) : hn::Zero(df);
-    VF db_sum = kDb ? LoadElements(full, df, db_acc + i, count) : hn::Zero(df);
+    const DF d;  // not captured: see WriteRows
+    const VF wv = kWeight ? LoadElements(full, d, w + i, count) : hn::Zero(d);
+    VF dw_sum = kDw ? LoadElements(full, d, dw_acc + i, count) : hn::Zero(d);
+    VF db_sum = kDb ? LoadElements(full, d, db_acc + i, count) : hn::Zero(d);
     std::array<VF, kRows> out;
     for (size_t k = 0; k < kRows; ++k) {
-      const VF dyv = LoadElements(full, df, dy[k] + i, count);
-      const VF xv = LoadElements(full, df, x[k] + i, count);
+      const VF dyv = LoadElements(full, d, dy[k] + i, count);
+      const VF xv = LoadElements(full, d, x[k] + i, count);
       const VF g = kWeight ? hn::Mul(dyv, wv) : dyv;
       const VF xhat = hn::Mul(kCentered ? hn::Sub(xv, vmean[k]) : xv, vrstd[k]);
       if (kDw) dw_sum = hn::MulAdd(dyv, xhat, dw_sum);
       if (kDb) db_sum = hn::Add(dyv, db_sum);
       const VF centered_g = kCentered ? hn::Sub(g, vmean_g[k]) : g;
       out[k] = hn::Mul(vrstd[k], hn::NegMulAdd(xhat, vmean_g_xhat[k], centered_g));
-      if constexpr (kAddend) out[k] = hn::Add(out[k], LoadElements(full, df, addend[k] + i, count));
+      if constexpr (kAddend) out[k] = hn::Add(out[k], LoadElements(full, d, addend[k] + i, count));
     }
-    if (kDw) StoreFloats(full, df, dw_sum, dw_acc + i, count);
-    if (kDb) StoreFloats(full, df, db_sum, db_acc + i, count);
+    if (kDw) StoreFloats(full, d, dw_sum, dw_acc + i, count);
+    if (kDb) StoreFloats(full, d, db_sum, db_acc + i, count);
     return out;
   });
 }
