@@ -372,11 +372,14 @@ struct ForwardCall {
   float centered_stat(std::int64_t r, std::int64_t begin, std::int64_t n, float mean) const {
     return k.sum_squares[1](advance(x_row(r), begin, esize), n, mean);
   }
-  void normalize(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd) const {
+  // ahead: the row read next by this thread (NormalizeFn), or nullptr.
+  void normalize(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
+                 const void* ahead = nullptr) const {
     const auto fn =
         k.normalize[stream][centered][weight_type][bias_type][offset_slot(weight_offset)];
     fn(advance(source_row(r), begin, esize), param_at(p.weight, begin), param_at(p.bias, begin),
-       advance(y_row(r), begin, esize), n, mean, rstd, weight_offset);
+       advance(y_row(r), begin, esize), n, mean, rstd, weight_offset,
+       ahead == nullptr ? nullptr : advance(ahead, begin, esize));
   }
   static const void* param_at(const ConstVector& v, std::int64_t begin) {
     // (dtype_size is an out-of-line call; this runs once per row.)
@@ -444,9 +447,13 @@ void forward_rows(const ForwardCall& call, std::int64_t begin, std::int64_t end)
     for (; r + 1 < end; r += 2) call.row_stats_pair(r, &stats[r - begin]);
   }
   for (; r < end; ++r) stats[r - begin] = call.row_stats(r);
+  // While a row is written, the row of the next batch at the same place is fetched: the
+  // write phase would otherwise leave the memory's read side idle (see NormalizeFn).
+  const std::int64_t batch = end - begin;
   for (r = begin; r < end; ++r) {
     const RowStats& s = stats[r - begin];
-    call.normalize(r, 0, call.p.cols(), s.mean, s.rstd);
+    const void* ahead = r + batch < call.p.rows() ? call.x_row(r + batch) : nullptr;
+    call.normalize(r, 0, call.p.cols(), s.mean, s.rstd, ahead);
     call.store_stats(r, s.mean, s.rstd);
   }
 }
@@ -570,7 +577,12 @@ void forward_short_rows(const ForwardCall& call, int threads) {
       rms_fn(block);
     }
     if (staged) {
-      stream_copy(call.y_row(first), staging, static_cast<std::int64_t>(rows * row_bytes));
+      // The next block's x (contiguous rows only) is fetched while this block is written.
+      const std::int64_t next_rows = std::min(rows_per_task, p.rows() - first - rows);
+      const bool ahead = next_rows > 0 && p.x.row_stride == p.cols();
+      stream_copy(call.y_row(first), staging, static_cast<std::int64_t>(rows * row_bytes),
+                  ahead ? call.x_row(first + rows) : nullptr,
+                  ahead ? static_cast<std::int64_t>(next_rows * row_bytes) : 0);
     }
   });
 }
@@ -663,7 +675,7 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
         const std::int64_t count =
             stream ? std::min<std::int64_t>(n - done, kStagingBytes) : n - done;
         quantize(y + done, stream ? q_staging : q_row + begin + done, count, inv_scale);
-        if (stream) stream_copy(q_row + begin + done, q_staging, count);
+        if (stream) stream_copy(q_row + begin + done, q_staging, count, nullptr, 0);
         done += count;
       }
     };
@@ -674,7 +686,7 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
         const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);
         normalize_quantize(advance(source, begin, esize), w, stream ? q_staging : q_row + begin, n,
                            rstd, static_inv_scale);
-        if (stream) stream_copy(q_row + begin, q_staging, n);
+        if (stream) stream_copy(q_row + begin, q_staging, n, nullptr, 0);
         begin += n;
       }
       return;

@@ -16,7 +16,8 @@ HWY_BEFORE_NAMESPACE();
 namespace fusednorm::cpu {
 namespace HWY_NAMESPACE {
 
-void StreamCopy(void* dst_ptr, const void* src_ptr, int64_t bytes) {
+void StreamCopy(void* dst_ptr, const void* src_ptr, int64_t bytes, const void* ahead_ptr,
+                int64_t ahead_bytes) {
   const hn::ScalableTag<uint8_t> d8;
   const auto N = static_cast<int64_t>(hn::Lanes(d8));
   auto* dst = static_cast<uint8_t*>(dst_ptr);
@@ -24,13 +25,22 @@ void StreamCopy(void* dst_ptr, const void* src_ptr, int64_t bytes) {
   constexpr int64_t kLine = 64;
   const auto head =
       static_cast<int64_t>((kLine - reinterpret_cast<uintptr_t>(dst) % kLine) % kLine);
+  const auto* ahead = static_cast<const char*>(ahead_ptr);
+  const char* const ahead_end = ahead + ahead_bytes;
   if (kLine % N != 0 || N < 16 || head + kLine > bytes) {
     std::memcpy(dst, src, static_cast<size_t>(bytes));
+    prefetch_to_l2(ahead, ahead_bytes);
     return;
   }
   std::memcpy(dst, src, static_cast<size_t>(head));
   const int64_t lines_end = head + (bytes - head) / kLine * kLine;
+  // Prefetches per copied line: enough to cover ahead by the end of the copy.
+  const int64_t lines = (lines_end - head) / kLine;
+  const int64_t ahead_per_line = (ahead_bytes + lines * kLine - 1) / (lines * kLine);
   auto copy_line = [&](int64_t i) {
+    for (int64_t k = 0; k < ahead_per_line && ahead < ahead_end; ++k, ahead += kLine) {
+      __builtin_prefetch(ahead, 0, 2);  // prefetcht1, as prefetch_to_l2
+    }
     for (int64_t k = 0; k < kLine; k += N) hn::Stream(hn::LoadU(d8, src + i + k), d8, dst + i + k);
   };
   if (StreamDescending(dst, src)) {  // 4 KiB aliasing: row_kernels-inl.h

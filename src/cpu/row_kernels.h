@@ -63,8 +63,10 @@ using AddResidualPairFn = void (*)(const void* x0, const void* x1, void* residua
 // y = (x - mean) * rstd [* (w + w_offset)] [+ b]; w and b in the dtypes of the table slot
 // (ParamType). w_offset comes from kernel_weight_offset(); the kernels of offset slot 0 and
 // the centered (LayerNorm) kernels have none and ignore it.
+// ahead: the row this thread reads next (at the same element offsets as x), or nullptr; the
+// streaming kernels fetch it into L2 while they write y (the other kernels ignore it).
 using NormalizeFn = void (*)(const void* x, const void* w, const void* b, void* y, std::int64_t n,
-                             float mean, float rstd, float w_offset);
+                             float mean, float rstd, float w_offset, const void* ahead);
 
 // A block of RMSNorm rows short enough to be normalized in one pass each (D up to
 // kMaxShortRow): the statistics of several rows are gathered at once, and each weight vector
@@ -173,7 +175,16 @@ struct DTypeKernels {
 
 // dst[0, bytes) = src[0, bytes), with non-temporal stores for every whole 64-byte line of
 // dst and ordinary stores for the partial lines at its ends. The caller fences.
-using StreamCopyFn = void (*)(void* dst, const void* src, std::int64_t bytes);
+// [ahead, ahead + ahead_bytes): what the caller reads next, fetched into L2 a few lines per
+// copied line, so that memory reads it while the copy writes (ahead_bytes 0: nothing).
+using StreamCopyFn = void (*)(void* dst, const void* src, std::int64_t bytes, const void* ahead,
+                              std::int64_t ahead_bytes);
+
+// Fetches [p, p + bytes) into L2 (prefetcht1: the lines in L1 stay), one prefetch per line.
+inline void prefetch_to_l2(const void* p, std::int64_t bytes) {
+  const char* line = static_cast<const char*>(p);
+  for (std::int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(line + i, 0, 2);
+}
 
 struct RowKernels {
   DTypeKernels by_dtype[3];  // indexed by DType

@@ -268,7 +268,7 @@ TEST_P(RowKernelTest, NormalizeIsExactAfterRounding) {
                 const float kernel_offset = detail::kernel_weight_offset(offset);
                 k.normalize[mode.stream][c][w_type][b_type][cpu::offset_slot(kernel_offset)](
                     x.data(), w.data(w_type), b.data(b_type), y.data(), n, c ? mean : 0.0f, rstd,
-                    kernel_offset);
+                    kernel_offset, nullptr);
                 ASSERT_TRUE(y.check_written("y"));
                 const bool has_w = w_type != cpu::kNoParam, has_b = b_type != cpu::kNoParam;
                 for (std::int64_t j = 0; j < n; ++j) {
@@ -351,7 +351,7 @@ TEST_P(RowKernelTest, RmsRowsMatchTheOneRowKernels) {
                 ASSERT_EQ(rstd.at(r), want_rstd) << "rstd of row " << r;
                 k.normalize[0][0][w_type][0][cpu::offset_slot(kernel_offset)](
                     fused ? row(want_residual) : row(x), w.data(w_type), nullptr, want_y.data(), n,
-                    0.0f, want_rstd, kernel_offset);
+                    0.0f, want_rstd, kernel_offset, nullptr);
                 for (std::int64_t j = 0; j < n; ++j) {
                   ASSERT_EQ(y.bits(r, j), want_y.bits(0, j)) << "row " << r << ", element " << j;
                   if (fused) {
@@ -419,7 +419,8 @@ TEST_P(RowKernelTest, LayerRowsMatchTheOneRowKernels) {
               ASSERT_EQ(detail::float_bits(rstd.float_data()[r]), detail::float_bits(want_rstd))
                   << "rstd of row " << r;
               k.normalize[0][1][w_type][b_type][0](row, w.data(w_type), b.data(b_type),
-                                                   want_y.data(), n, want_mean, want_rstd, -0.0f);
+                                                   want_y.data(), n, want_mean, want_rstd, -0.0f,
+                                                   nullptr);
               for (std::int64_t j = 0; j < n; ++j) {
                 // A NaN from two NaN operands (the infinity's row: (inf - inf) * NaN rstd)
                 // is whichever operand the compiler put first in a commutative multiply, so
@@ -571,7 +572,7 @@ TEST(RowKernels, StreamCopyCopiesExactlyTheBytes) {
         for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 7 + 1);
         alignas(64) unsigned char dst[4096 + 192];
         std::memset(dst, 0xA5, sizeof dst);
-        t.kernels.stream_copy(dst + 64 + offset, src.data() + 3, bytes);
+        t.kernels.stream_copy(dst + 64 + offset, src.data() + 3, bytes, src.data(), bytes);
         for (std::int64_t i = 0; i < static_cast<std::int64_t>(sizeof dst); ++i) {
           const std::int64_t j = i - 64 - offset;
           const unsigned char want = (j >= 0 && j < bytes) ? src[static_cast<std::size_t>(j) + 3]
@@ -605,7 +606,7 @@ TEST_P(RowKernelTest, InfAndNanSurviveLoadAndStore) {
           }
           EXPECT_FALSE(std::isfinite(k.sum_squares[0](x.data(), n, 0.0f)));
           Buffer y = Buffer::vector_of(dtype(), n);
-          k.normalize[0][0][0][0][0](x.data(), nullptr, nullptr, y.data(), n, 0.0f, 2.0f, -0.0f);
+          k.normalize[0][0][0][0][0](x.data(), nullptr, nullptr, y.data(), n, 0.0f, 2.0f, -0.0f, nullptr);
           EXPECT_TRUE(y.check_written("y"));
           for (std::int64_t j = 0; j < n; ++j) {
             if (j != at) {
@@ -621,7 +622,8 @@ TEST_P(RowKernelTest, InfAndNanSurviveLoadAndStore) {
             const double big = dtype() == DType::kFloat16 ? 60000.0 : 3e38;
             Buffer b = Buffer::vector_of(dtype(), n);
             b.fill([&](std::int64_t, std::int64_t) { return big; });
-            k.normalize[1][0][0][0][0](b.data(), nullptr, nullptr, y.data(), n, 0.0f, 4.0f, -0.0f);
+            k.normalize[1][0][0][0][0](b.data(), nullptr, nullptr, y.data(), n, 0.0f, 4.0f, -0.0f,
+                                       nullptr);
             EXPECT_EQ(y.at(at), kInf) << "overflowing store";
           }
         }
@@ -663,18 +665,18 @@ TEST_P(RowKernelTest, WideNaNPayloadsStayNaN) {
         Buffer y = Buffer::vector_of(dtype(), n);
         for (const float offset : {-0.0f, 1.0f}) {
           k.normalize[stream][0][cpu::kFloat32Param][cpu::kNoParam][cpu::offset_slot(offset)](
-              x.data(), wide.data(), nullptr, y.data(), n, 0.0f, 2.0f, offset);
+              x.data(), wide.data(), nullptr, y.data(), n, 0.0f, 2.0f, offset, nullptr);
           expect_nan_at(y, at,
                         offset == 0.0f ? "RMSNorm, fp32 weight" : "RMSNorm, fp32 weight + 1");
         }
         k.normalize[stream][1][cpu::kNoParam][cpu::kFloat32Param][0](
-            x.data(), nullptr, wide.data(), y.data(), n, 0.25f, 2.0f, 0.0f);
+            x.data(), nullptr, wide.data(), y.data(), n, 0.25f, 2.0f, 0.0f, nullptr);
         expect_nan_at(y, at, "LayerNorm, fp32 bias");
         k.normalize[stream][0][cpu::kElementParam][cpu::kNoParam][0](
-            x.data(), ones.data(), nullptr, y.data(), n, 0.0f, wide_nan, -0.0f);
+            x.data(), ones.data(), nullptr, y.data(), n, 0.0f, wide_nan, -0.0f, nullptr);
         expect_nan_at(y, -1, "RMSNorm, rstd from the caller's sums");
         k.normalize[stream][1][cpu::kElementParam][cpu::kElementParam][0](
-            x.data(), ones.data(), ones.data(), y.data(), n, wide_nan, 2.0f, 0.0f);
+            x.data(), ones.data(), ones.data(), y.data(), n, wide_nan, 2.0f, 0.0f, nullptr);
         expect_nan_at(y, -1, "LayerNorm, mean from the caller's sums");
         // The backward kernels take w with narrow NaNs (row_kernels.h; the public-API case
         // below gives the backend a wide one); the row's statistics may be the caller's.
