@@ -606,7 +606,8 @@ TEST_P(RowKernelTest, InfAndNanSurviveLoadAndStore) {
           }
           EXPECT_FALSE(std::isfinite(k.sum_squares[0](x.data(), n, 0.0f)));
           Buffer y = Buffer::vector_of(dtype(), n);
-          k.normalize[0][0][0][0][0](x.data(), nullptr, nullptr, y.data(), n, 0.0f, 2.0f, -0.0f, nullptr);
+          k.normalize[0][0][0][0][0](x.data(), nullptr, nullptr, y.data(), n, 0.0f, 2.0f, -0.0f,
+                                     nullptr);
           EXPECT_TRUE(y.check_written("y"));
           for (std::int64_t j = 0; j < n; ++j) {
             if (j != at) {
