@@ -462,10 +462,9 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
       df, y, n,
       [=](auto full, int64_t i, size_t count) {
         const DF d;  // not captured: see WriteRows
-        // prefetcht1: into L2, so that the lines of the row being normalized (in L1) stay.
         // One per vector, even where two vectors share a line: one per line (a branch on
         // i) was 1.24-1.30x slower (fp16 / bf16 16384 x 4096, AVX3; docs/PERFORMANCE.md).
-        if constexpr (kStream) __builtin_prefetch(ahead + i, 0, 2);
+        if constexpr (kStream) prefetch_line_to_l2(ahead + i);
         VF out = LoadElements(full, d, x + i, count);
         if constexpr (kCentered) out = hn::Sub(out, vmean);
         out = hn::Mul(out, vrstd);
@@ -576,8 +575,7 @@ void LayerRowGroup(const LayerRows& rows, int64_t first) {
     if constexpr (!std::is_void_v<B>) bv = LoadParam<B>(full, d, b, i, count);
     std::array<VF, kGroup> result;
     for (size_t k = 0; k < kGroup; ++k) {
-      result[k] =
-          hn::Mul(hn::Sub(LoadElements(full, d, source[k] + i, count), vmean[k]), vrstd[k]);
+      result[k] = hn::Mul(hn::Sub(LoadElements(full, d, source[k] + i, count), vmean[k]), vrstd[k]);
       if constexpr (!std::is_void_v<W>) result[k] = hn::Mul(result[k], wv);
       if constexpr (!std::is_void_v<B>) result[k] = hn::Add(result[k], bv);
     }

@@ -5,6 +5,7 @@
 #define HWY_TARGET_INCLUDE "cpu/row_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -38,9 +39,9 @@ void StreamCopy(void* dst_ptr, const void* src_ptr, int64_t bytes, const void* a
   const int64_t lines = (lines_end - head) / kLine;
   const int64_t ahead_per_line = (ahead_bytes + lines * kLine - 1) / (lines * kLine);
   auto copy_line = [&](int64_t i) {
-    for (int64_t k = 0; k < ahead_per_line && ahead < ahead_end; ++k, ahead += kLine) {
-      __builtin_prefetch(ahead, 0, 2);  // prefetcht1, as prefetch_to_l2
-    }
+    const int64_t count = std::min(ahead_per_line * kLine, static_cast<int64_t>(ahead_end - ahead));
+    prefetch_to_l2(ahead, count);
+    ahead += count;
     for (int64_t k = 0; k < kLine; k += N) hn::Stream(hn::LoadU(d8, src + i + k), d8, dst + i + k);
   };
   if (StreamDescending(dst, src)) {  // 4 KiB aliasing: row_kernels-inl.h

@@ -180,10 +180,13 @@ struct DTypeKernels {
 using StreamCopyFn = void (*)(void* dst, const void* src, std::int64_t bytes, const void* ahead,
                               std::int64_t ahead_bytes);
 
-// Fetches [p, p + bytes) into L2 (prefetcht1: the lines in L1 stay), one prefetch per line.
+// Fetches the line holding p into L2 (prefetcht1: the lines in L1, the ones being worked
+// on, stay where they are).
+inline void prefetch_line_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+// The same for [p, p + bytes), one prefetch per 64-byte line.
 inline void prefetch_to_l2(const void* p, std::int64_t bytes) {
   const char* line = static_cast<const char*>(p);
-  for (std::int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(line + i, 0, 2);
+  for (std::int64_t i = 0; i < bytes; i += 64) prefetch_line_to_l2(line + i);
 }
 
 struct RowKernels {
