@@ -613,7 +613,7 @@ class Bench {
         // of quantizer, so that the baseline gets the same shortcut).
         float* y32 = staging.data() + omp_get_thread_num() * cols;
         const unsigned char* y_row = y.bytes.data() + static_cast<std::size_t>(row * cols) * esize;
-        const cpu::RowAmax amax = to_float(y_row, nullptr, y32, cols, 1.0f, -0.0f);
+        const cpu::RowAmax amax = to_float(y_row, nullptr, y32, cols, 1.0f, -0.0f, nullptr);
         float inv = static_inv;
         cpu::QuantizeFn quantize = quantize_any;
         if (dynamic) {

@@ -72,7 +72,8 @@ void report_placement(std::int64_t n, double ghz) {
     float* const y = reinterpret_cast<float*>(base + 2 * region + y_offset);
     for (std::int64_t j = 0; j < n; ++j) w[j] = 1.01f;
     return ns_per_element(
-        [&] { sink = sink + qk.normalize_amax_prepared[0](x, w, y, n, 0.9f, 0.0f).amax; }, n);
+        [&] { sink = sink + qk.normalize_amax_prepared[0](x, w, y, n, 0.9f, 0.0f, nullptr).amax; },
+        n);
   };
   const std::size_t offsets[] = {0,   16,  32,  48,  64,   96,   128,  192,  256,  384,
                                  512, 768, 1024, 2048, 3072, 3584, 3840, 3968, 4032, 4080};
@@ -120,7 +121,8 @@ int main(int argc, char** argv) {
              [&] {
                sink =
                    sink +
-                   qk.normalize_amax_prepared[0](x.data(), w.data(), y.data(), n, rstd, 0.0f).amax;
+                   qk.normalize_amax_prepared[0](x.data(), w.data(), y.data(), n, rstd, 0.0f,
+                                                 nullptr).amax;
              },
              n));
   const char* q_names[2] = {"int8", "e4m3"};
@@ -135,7 +137,7 @@ int main(int argc, char** argv) {
     report(name, ns_per_element(
                      [&] {
                        qk.normalize_quantize[0][1][qi](x.data(), w.data(), q.data(), n, rstd,
-                                                       inv_scale);
+                                                       inv_scale, nullptr);
                      },
                      n));
   }

@@ -59,11 +59,13 @@ float MaxMagnitudeWithoutNaN(const float* y, int64_t n) {
 // non-NaN values (0 if none) and whether there were NaNs.
 template <typename T, typename W>
 RowAmax NormalizeAmax(const void* x_ptr, const void* w, float* y_out, int64_t n, float rstd,
-                      float w_offset) {
+                      float w_offset, const void* ahead_ptr) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const T* x = static_cast<const T*>(x_ptr);
+  // Without a next row, the prefetches touch this row's own lines (already cached).
+  const T* ahead = static_cast<const T*>(ahead_ptr != nullptr ? ahead_ptr : x_ptr);
   const VF vrstd = hn::Set(df, rstd), voffset = hn::Set(df, w_offset);
   // The max is taken over the bits of |y| as integers: non-negative floats order as their
   // bits do, and a NaN's bits exceed Inf's, so a NaN shows in the result and sends the piece
@@ -74,6 +76,8 @@ RowAmax NormalizeAmax(const void* x_ptr, const void* w, float* y_out, int64_t n,
   auto acc0 = hn::Zero(di), acc1 = hn::Zero(di);
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
+    prefetch_line_to_l2(ahead + i);
+    prefetch_line_to_l2(ahead + i + N);
     const VF y0 = NormalizedElements<T, W>(Full(), df, x, w, i, N, vrstd, voffset);
     const VF y1 = NormalizedElements<T, W>(Full(), df, x, w, i + N, N, vrstd, voffset);
     hn::StoreU(y0, df, y_out + i);
@@ -282,14 +286,16 @@ HWY_INLINE VI QuantizedElements(DF df, const T* x, const void* w, int64_t i, VF 
 
 template <typename T, typename W, bool kFp8>
 void NormalizeQuantize(const void* x_ptr, const void* w, void* q_ptr, int64_t n, float rstd,
-                       float inv_scale) {
+                       float inv_scale, const void* ahead_ptr) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const T* x = static_cast<const T*>(x_ptr);
+  const T* ahead = static_cast<const T*>(ahead_ptr != nullptr ? ahead_ptr : x_ptr);
   auto* q = static_cast<uint8_t*>(q_ptr);
   const VF vrstd = hn::Set(df, rstd), vinv = hn::Set(df, inv_scale);
   int64_t i = 0;
   for (; i + 4 * N <= n; i += 4 * N) {
+    for (int64_t v = 0; v < 4; ++v) prefetch_line_to_l2(ahead + i + v * N);
     StoreBytes4<kFp8>(QuantizedElements<T, W, kFp8>(df, x, w, i, vrstd, vinv),
                       QuantizedElements<T, W, kFp8>(df, x, w, i + N, vrstd, vinv),
                       QuantizedElements<T, W, kFp8>(df, x, w, i + 2 * N, vrstd, vinv),

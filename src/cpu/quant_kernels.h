@@ -23,8 +23,11 @@ struct RowAmax {
   bool has_nan;
 };
 // y[j] = x[j] * rstd [* (w[j] + w_offset)] (fp32) for j < n, and their RowAmax.
+// ahead (here and in NormalizeQuantizeFn): the row this thread reads next, at the same
+// element offsets as x, fetched into L2 one line per vector of x while this row (in L1) is
+// worked on, as row_kernels.h's NormalizeFn does; nullptr: no next row. Values unchanged.
 using NormalizeAmaxFn = RowAmax (*)(const void* x, const void* w, float* y, std::int64_t n,
-                                    float rstd, float w_offset);
+                                    float rstd, float w_offset, const void* ahead);
 // Static scale: q[j] = quantize(y[j] * inv_scale) with y[j] as NormalizeAmaxFn computes it,
 // never stored; w: none or prepared (normalize_amax_prepared's), j < n. For rows where no
 // y[j] * inv_scale can be NaN (skips the NaN select): x, rstd, the prepared weight and
@@ -32,7 +35,7 @@ using NormalizeAmaxFn = RowAmax (*)(const void* x, const void* w, float* y, std:
 // overflow first) and all_finite holds for the weight (a y that overflows to Inf
 // saturates). Other rows go through normalize_amax and quantize.
 using NormalizeQuantizeFn = void (*)(const void* x, const void* w, void* q, std::int64_t n,
-                                     float rstd, float inv_scale);
+                                     float rstd, float inv_scale, const void* ahead);
 // q[j] = quantize(y[j] * inv_scale) with quantize.h's saturating conversion, j < n.
 using QuantizeFn = void (*)(const float* y, void* q, std::int64_t n, float inv_scale);
 

@@ -569,7 +569,7 @@ TEST(Quant, NormalizeAmaxSameBitsOnEveryTarget) {
       for (std::size_t t = 0; t < targets.size(); ++t) {
         const cpu::RowAmax amax = targets[t].kernels.normalize_amax[static_cast<int>(dtype)][slot](
             x.data(), w.empty() ? nullptr : w.data(), (t == 0 ? first : y).data(), cols, 0.37f,
-            1.0f);
+            1.0f, nullptr);
         SCOPED_TRACE(::testing::Message() << targets[t].name << ", " << dtype_str(dtype) << ", "
                                           << weight_kind_str(kind));
         EXPECT_TRUE(amax.has_nan);  // x[17] is NaN
