@@ -670,7 +670,7 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
     // Steps 2 and 3 read the row from the caches; meanwhile the next row is fetched (rows
     // are this thread's in order: parallel_for's static schedule). 16384 x 4096 and
     // 2048 x 8192, 2 threads, AVX3, 3 rounds, new / old geomean: fp16 0.78, bf16 0.84,
-    // fp32 1.01. Not for the fused add: prefetching its next x cost 1.03-1.16 there
+    // fp32 1.01; AVX2 0.88. Not for the fused add: prefetching its next x gave 0.97-1.16
     // (docs/PERFORMANCE.md, sixteenth session).
     const void* ahead = stream && residual == nullptr && r + 1 < p.rows()
                             ? advance(p.x.data, (r + 1) * p.x.row_stride, esize)
