@@ -76,6 +76,21 @@ Ptr advance(Ptr base, std::int64_t elements, std::size_t element_size) {
                           elements * static_cast<std::int64_t>(element_size));
 }
 
+// The rows a thread reads next are fetched into L2 while it writes the rows it has read
+// (forward_rows, forward_quantized) only when both fit in kFetchAheadBytes together: the
+// fetched lines must still be cached when the next sum pass reads them, or the rows are read
+// twice. `bytes`: the rows worked on now, as many as are fetched. Fetching against not, by
+// the bytes R of a row (or batch), 2 threads, AVX3, Intel VM with 2 MB of L2 per core
+// (docs/PERFORMANCE.md, seventeenth session): R <= 128 KiB mostly pays; at 256 KiB bf16
+// pays, fp32 costs (1.05-1.19); from 1 MiB every dtype and mode costs (1.1-1.4). 256 KiB is
+// also half the smallest L2 seen (512 KiB, Zen 2 / 3).
+constexpr std::size_t kFetchAheadBytes = 256 * 1024;
+bool fetches_ahead(std::size_t bytes) { return 2 * bytes <= kFetchAheadBytes; }
+// ahead (nullptr: no next row) at element `begin`.
+const void* ahead_at(const void* ahead, std::int64_t begin, std::size_t esize) {
+  return ahead == nullptr ? nullptr : advance(ahead, begin, esize);
+}
+
 // A weight as fp32 with the weight offset folded in (w + offset, one fp32 add, as the
 // forward kernels add it), for the backward and for the quantized forward of many rows;
 // borrows the caller's buffer when no conversion is needed. (The plain forward kernels
@@ -379,7 +394,7 @@ struct ForwardCall {
         k.normalize[stream][centered][weight_type][bias_type][offset_slot(weight_offset)];
     fn(advance(source_row(r), begin, esize), param_at(p.weight, begin), param_at(p.bias, begin),
        advance(y_row(r), begin, esize), n, mean, rstd, weight_offset,
-       ahead == nullptr ? nullptr : advance(ahead, begin, esize));
+       ahead_at(ahead, begin, esize));
   }
   static const void* param_at(const ConstVector& v, std::int64_t begin) {
     // (dtype_size is an out-of-line call; this runs once per row.)
@@ -453,9 +468,10 @@ void forward_rows(const ForwardCall& call, std::int64_t begin, std::int64_t end)
   // geomean 0.88, no pair slower (the AMD VMs had shown no gain from such prefetches:
   // docs/PERFORMANCE.md, fifteenth session).
   const std::int64_t batch = end - begin;
+  const bool fetch = fetches_ahead(static_cast<std::size_t>(batch * call.p.cols()) * call.esize);
   for (r = begin; r < end; ++r) {
     const RowStats& s = stats[r - begin];
-    const void* ahead = r + batch < call.p.rows() ? call.x_row(r + batch) : nullptr;
+    const void* ahead = fetch && r + batch < call.p.rows() ? call.x_row(r + batch) : nullptr;
     call.normalize(r, 0, call.p.cols(), s.mean, s.rstd, ahead);
     call.store_stats(r, s.mean, s.rstd);
   }
@@ -672,16 +688,14 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
     // 2048 x 8192, 2 threads, AVX3, 3 rounds, new / old geomean: fp16 0.78, bf16 0.84,
     // fp32 1.01; AVX2 0.88. Not for the fused add: prefetching its next x gave 0.97-1.16
     // (docs/PERFORMANCE.md, sixteenth session).
-    const void* ahead = stream && residual == nullptr && r + 1 < p.rows()
+    const void* ahead = stream && residual == nullptr && r + 1 < p.rows() &&
+                                fetches_ahead(static_cast<std::size_t>(cols) * esize)
                             ? advance(p.x.data, (r + 1) * p.x.row_stride, esize)
                             : nullptr;
-    auto ahead_at = [&](std::int64_t begin) {
-      return ahead == nullptr ? nullptr : advance(ahead, begin, esize);
-    };
     auto normalize_piece = [&](std::int64_t begin, std::int64_t n) {
       const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);
       return normalize_amax(advance(source, begin, esize), w, y, n, rstd, w_offset,
-                            ahead_at(begin));
+                            ahead_at(ahead, begin, esize));
     };
     unsigned char* q_row = static_cast<unsigned char*>(p.q.data) + r * p.q.row_stride;
     QuantizeFn quantize = quantize_any;
@@ -701,7 +715,7 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
         const std::int64_t n = stream ? std::min<std::int64_t>(cols - begin, kStagingBytes) : cols;
         const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);
         normalize_quantize(advance(source, begin, esize), w, stream ? q_staging : q_row + begin, n,
-                           rstd, static_inv_scale, ahead_at(begin));
+                           rstd, static_inv_scale, ahead_at(ahead, begin, esize));
         if (stream) stream_copy(q_row + begin, q_staging, n, nullptr, 0);
         begin += n;
       }

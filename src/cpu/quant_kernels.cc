@@ -64,8 +64,7 @@ RowAmax NormalizeAmax(const void* x_ptr, const void* w, float* y_out, int64_t n,
   const hn::RebindToSigned<DF> di;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const T* x = static_cast<const T*>(x_ptr);
-  // Without a next row, the prefetches touch this row's own lines (already cached).
-  const T* ahead = static_cast<const T*>(ahead_ptr != nullptr ? ahead_ptr : x_ptr);
+  const T* ahead = prefetch_row<T>(ahead_ptr, x_ptr);
   const VF vrstd = hn::Set(df, rstd), voffset = hn::Set(df, w_offset);
   // The max is taken over the bits of |y| as integers: non-negative floats order as their
   // bits do, and a NaN's bits exceed Inf's, so a NaN shows in the result and sends the piece
@@ -290,7 +289,7 @@ void NormalizeQuantize(const void* x_ptr, const void* w, void* q_ptr, int64_t n,
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const T* x = static_cast<const T*>(x_ptr);
-  const T* ahead = static_cast<const T*>(ahead_ptr != nullptr ? ahead_ptr : x_ptr);
+  const T* ahead = prefetch_row<T>(ahead_ptr, x_ptr);
   auto* q = static_cast<uint8_t*>(q_ptr);
   const VF vrstd = hn::Set(df, rstd), vinv = hn::Set(df, inv_scale);
   int64_t i = 0;

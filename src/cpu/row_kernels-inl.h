@@ -451,8 +451,7 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
                float rstd, float w_offset, const void* ahead_ptr) {
   const DF df;
   const T* x = static_cast<const T*>(x_ptr);
-  // Without a next row, the prefetches touch this row's own lines (already cached).
-  const T* ahead = static_cast<const T*>(ahead_ptr != nullptr ? ahead_ptr : x_ptr);
+  const T* ahead = prefetch_row<T>(ahead_ptr, x_ptr);
   T* y = static_cast<T*>(y_ptr);
   const VF vmean = hn::Set(df, NarrowNaN(mean));
   const VF vrstd = hn::Set(df, NarrowNaN(rstd));

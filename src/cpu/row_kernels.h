@@ -183,6 +183,12 @@ using StreamCopyFn = void (*)(void* dst, const void* src, std::int64_t bytes, co
 // Fetches the line holding p into L2 (prefetcht1: the lines in L1, the ones being worked
 // on, stay where they are).
 inline void prefetch_line_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+// The row a kernel's prefetches walk beside x: `ahead`, the row read next, or without one
+// (nullptr) x's own lines, already cached, so the loop keeps one unconditional prefetch.
+template <typename T>
+inline const T* prefetch_row(const void* ahead, const void* x) {
+  return static_cast<const T*>(ahead != nullptr ? ahead : x);
+}
 // The same for [p, p + bytes), one prefetch per 64-byte line.
 inline void prefetch_to_l2(const void* p, std::int64_t bytes) {
   const char* line = static_cast<const char*>(p);
