@@ -465,8 +465,8 @@ void forward_rows(const ForwardCall& call, std::int64_t begin, std::int64_t end)
   // While a row is written, the row of the next batch at the same place is fetched: the
   // write phase would otherwise leave the memory's read side idle (see NormalizeFn).
   // rms_norm 16384 x 4096 and 2048 x 8192, 2 threads, AVX3 on an Intel VM: new / old
-  // geomean 0.88, no pair slower (the AMD VMs had shown no gain from such prefetches:
-  // docs/PERFORMANCE.md, fifteenth session).
+  // geomean 0.88, no pair slower; Zen 4 (1 MB L2), against every fetch off, one round: 0.90
+  // AVX3, 0.86 AVX2 (docs/PERFORMANCE.md, fifteenth and eighteenth sessions).
   const std::int64_t batch = end - begin;
   const bool fetch = fetches_ahead(static_cast<std::size_t>(batch * call.p.cols()) * call.esize);
   for (r = begin; r < end; ++r) {
