@@ -85,6 +85,15 @@ def main():
     del a, b
     rows_out.append(dict(impl="copy(torch)", op="copy", dtype="-", rows=1, cols=n * 2, us=copy_us, gbps=copy_gbps))
 
+    # The backward is timed by replaying one graph (retain_graph=True). AOTAutograd's donated
+    # buffers free the saved activations after the first backward and then refuse a retained
+    # graph (the first H200 run: "compiled with non-empty donated buffers requires
+    # create_graph=False and retain_graph=False"); off, the compiled backward is the same code.
+    try:
+        import torch._functorch.config as functorch_config
+        functorch_config.donated_buffer = False
+    except (ImportError, AttributeError):
+        pass
     compiled_rms = torch.compile(stepwise_rms_norm, dynamic=True)
     compiled_add = torch.compile(stepwise_fused_add, dynamic=True)
     extra = load_optional()
