@@ -614,7 +614,8 @@ std::size_t forward_bytes(const ForwardProblem& p) {
 
 // ---- Quantized RMSNorm --------------------------------------------------------------------
 
-// One row at a time, whole rows per thread (so any thread count gives the same bits):
+// One row at a time (the fused add with a large q: two rows' step 1 side by side, then each
+// row's steps 2 and 3), whole rows per thread (so any thread count gives the same bits):
 //  1. the sum of squares (and the fused add's residual update) by row_kernels' kernels in
 //     chunked_sum's order, so rstd, and with it y, has rms_norm's bits;
 //  2. y (fp32) into an L1/L2 staging buffer, with its amax;
@@ -669,29 +670,60 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const ThreadPlan plan = plan_threads(p.rows(), cols, bytes, num_threads);
   const bool stream = prepare_large_output(p.q);
   const StreamCopyFn stream_copy = row_kernels().stream_copy;
-  parallel_for(plan.threads, p.rows(), [&](std::int64_t r) {
-    alignas(64) float y[kQuantStagingFloats];
-    alignas(64) unsigned char q_staging[kStagingBytes];
-    const void* x = advance(p.x.data, r * p.x.row_stride, esize);
-    void* residual =
-        p.has_residual() ? advance(p.residual.data, r * p.residual.row_stride, esize) : nullptr;
-    const float sum_squares = chunked_sum(cols, [&](std::int64_t begin, std::int64_t n) {
+  // The fused add reads its rows in pairs (pair_sum_squares), for a large q: its step 1 is
+  // two streams (x and residual) read and one written, with nothing fetched ahead. Pairs
+  // against one row, 16384 x 4096 and 2048 x 8192, 2 threads, AVX3, Intel VM, 4 rounds:
+  // fp16 0.75-0.92 (one 1.37), bf16 0.83-0.98, fp32 0.97-1.14; fused add geomean 0.94 over
+  // 24, the unchanged ops 0.97-1.09 as controls. The plain quantized norm read in pairs was
+  // no faster (geomean 1.00-1.03 over 12 per mode; it fetches its next row instead), so it
+  // reads one row at a time (docs/PERFORMANCE.md, twentieth session).
+  const bool reads_quant_pairs = stream && p.has_residual();
+  auto x_row = [&](std::int64_t r) { return advance(p.x.data, r * p.x.row_stride, esize); };
+  auto residual_row = [&](std::int64_t r) {
+    return p.has_residual() ? advance(p.residual.data, r * p.residual.row_stride, esize) : nullptr;
+  };
+  // Step 1 of one row: its sum of squares (after the fused add's residual update).
+  auto row_sum_squares = [&](std::int64_t r) {
+    const void* x = x_row(r);
+    void* residual = residual_row(r);
+    return chunked_sum(cols, [&](std::int64_t begin, std::int64_t n) {
       if (residual != nullptr) {
         return k.add_residual(advance(x, begin, esize), advance(residual, begin, esize), n);
       }
       return k.sum_squares[0](advance(x, begin, esize), n, 0.0f);
     });
+  };
+  // Step 1 of rows r and r + 1 read side by side (two streams per core read faster than one,
+  // as in forward_rows); each row's sum has row_sum_squares' bits.
+  auto pair_sum_squares = [&](std::int64_t r) {
+    const void* x0 = x_row(r);
+    const void* x1 = x_row(r + 1);
+    void* residual0 = residual_row(r);
+    void* residual1 = residual_row(r + 1);
+    return chunked_sum_pair(cols, [&](std::int64_t begin, std::int64_t n, float* sums) {
+      if (residual0 != nullptr) {
+        k.add_residual_pair(advance(x0, begin, esize), advance(x1, begin, esize),
+                            advance(residual0, begin, esize), advance(residual1, begin, esize), n,
+                            sums);
+      } else {
+        k.first_stat_pair[0](advance(x0, begin, esize), advance(x1, begin, esize), n, sums);
+      }
+    });
+  };
+  // Steps 2 and 3 read the row from the caches; meanwhile the thread's next row at the same
+  // place (`ahead`) is fetched. 16384 x 4096 and 2048 x 8192, 2 threads, AVX3, 3 rounds,
+  // new / old geomean: fp16 0.78, bf16 0.84, fp32 1.01; AVX2 0.88. Not for the fused add:
+  // prefetching its next x gave 0.97-1.16 (docs/PERFORMANCE.md, sixteenth session).
+  const std::int64_t group = reads_quant_pairs ? 2 : 1;
+  const bool fetch =
+      stream && !p.has_residual() && fetches_ahead(static_cast<std::size_t>(group * cols) * esize);
+  auto finish_row = [&](std::int64_t r, float sum_squares) {
+    alignas(64) float y[kQuantStagingFloats];
+    alignas(64) unsigned char q_staging[kStagingBytes];
     const float rstd = rstd_from_mean_square(sum_squares / static_cast<float>(cols), p.eps);
-    const void* source = residual != nullptr ? residual : x;
-    // Steps 2 and 3 read the row from the caches; meanwhile the next row is fetched (rows
-    // are this thread's in order: parallel_for's static schedule). 16384 x 4096 and
-    // 2048 x 8192, 2 threads, AVX3, 3 rounds, new / old geomean: fp16 0.78, bf16 0.84,
-    // fp32 1.01; AVX2 0.88. Not for the fused add: prefetching its next x gave 0.97-1.16
-    // (docs/PERFORMANCE.md, sixteenth session).
-    const void* ahead = stream && residual == nullptr && r + 1 < p.rows() &&
-                                fetches_ahead(static_cast<std::size_t>(cols) * esize)
-                            ? advance(p.x.data, (r + 1) * p.x.row_stride, esize)
-                            : nullptr;
+    const void* source = p.has_residual() ? residual_row(r) : x_row(r);
+    // Rows are this thread's in order (parallel_for's static schedule), `group` per task.
+    const void* ahead = fetch && r + group < p.rows() ? x_row(r + group) : nullptr;
     auto normalize_piece = [&](std::int64_t begin, std::int64_t n) {
       const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);
       return normalize_amax(advance(source, begin, esize), w, y, n, rstd, w_offset,
@@ -744,6 +776,16 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
       const std::int64_t n = std::min(kQuantStagingFloats, cols - begin);
       normalize_piece(begin, n);
       quantize_piece(begin, n, inv_scale);
+    }
+  };
+  parallel_for(plan.threads, ceil_div(p.rows(), group), [&](std::int64_t task) {
+    const std::int64_t r = task * group;
+    if (group == 2 && r + 1 < p.rows()) {
+      const std::array<float, 2> sums = pair_sum_squares(r);
+      finish_row(r, sums[0]);
+      finish_row(r + 1, sums[1]);
+    } else {
+      finish_row(r, row_sum_squares(r));
     }
   });
 }
