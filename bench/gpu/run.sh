@@ -91,8 +91,10 @@ else
 fi
 
 stamp "gpu_bench"
-if ! timeout 120 "$BUILD/gpu_bench" > "$OUT/fusednorm.csv" 2> "$LOGS/gpu_bench.err"; then
-  cat "$LOGS/gpu_bench.err"; echo "gpu_bench FAILED"
+# FUSEDNORM_CUDA_LOG_PLANS=1: every distinct launch plan with the grid the backend sized from
+# the occupancy answer (resident CTAs per SM), into gpu_bench.err (logs.tar.gz).
+if ! FUSEDNORM_CUDA_LOG_PLANS=1 timeout 120 "$BUILD/gpu_bench" > "$OUT/fusednorm.csv" 2> "$LOGS/gpu_bench.err"; then
+  grep -v "^fusednorm: cuda plan:" "$LOGS/gpu_bench.err" | tail -20; echo "gpu_bench FAILED"
 fi
 # The peers get what is left after keeping 240 s for the sanitizers (SANITIZE=1), 30 s to 120 s.
 reserve=0

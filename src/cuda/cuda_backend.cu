@@ -10,7 +10,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <cstdio>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -111,6 +113,33 @@ ProblemShape problem_shape(const ConstMatrix& x, std::initializer_list<const voi
   return shape;
 }
 
+// FUSEDNORM_CUDA_LOG_PLANS=1: each distinct launch (op, dtype, shape, plan) once on stderr,
+// with the grid the backend sized from the runtime's occupancy answer (resident CTAs per SM
+// of the kernel it launches): what gpu_bench's plan column cannot show, since its planner
+// call has no compiled kernel to ask about (src/cuda/NOTES.md, the quantized forward on the
+// H200). Off, one cached getenv per call.
+void log_plan(const char* op, DType dtype, const ProblemShape& shape, const LaunchPlan& plan,
+              const ResidentCtas& resident, PlannedKernel kernel = PlannedKernel::kRows) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("FUSEDNORM_CUDA_LOG_PLANS");
+    return v != nullptr && std::strcmp(v, "0") != 0;
+  }();
+  if (!enabled) return;
+  char line[320];
+  std::snprintf(line, sizeof line,
+                "fusednorm: cuda plan: op=%s dtype=%s rows=%lld cols=%lld aligned=%d kind=%s "
+                "vec=%d k=%d t=%d x=%d c=%d grid=%lld smem=%lld resident_per_sm=%d",
+                op, dtype_name(dtype), static_cast<long long>(shape.rows),
+                static_cast<long long>(shape.cols), shape.vector_aligned ? 1 : 0,
+                kernel_kind_name(plan.kind), plan.vec, plan.vecs_per_thread, plan.team_threads,
+                plan.rows_per_cta, plan.cluster_size, static_cast<long long>(plan.grid),
+                static_cast<long long>(plan.smem_bytes), resident.per_sm(plan, kernel));
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (seen.insert(line).second) std::fprintf(stderr, "%s\n", line);
+}
+
 // Read at every call (getenv is a scan of a few dozen strings, far below a launch), so a
 // benchmark can switch it between calls.
 PlanOptions plan_options() {
@@ -194,6 +223,7 @@ void forward(const char* op, const ForwardProblem& p, void* stream) {
     });
   });
   const LaunchPlan plan = plan_forward(shape, device_info(op, device), resident, options);
+  log_plan(op, p.x.dtype, shape, plan, resident);
   check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {
           using T = typename decltype(tag)::type;
           return p.is_quantized() ? launch_forward_quant<T>(plan, a, s) : launch_forward<T>(plan, a, s);
@@ -277,6 +307,7 @@ void backward(const char* op, const BackwardProblem& p, void* stream) {
     });
   });
   const LaunchPlan plan = plan_backward(shape, device_info(op, device), resident, options);
+  log_plan(op, p.x.dtype, shape, plan, resident);
   const BackwardOutputs out = {p.dw.data, out_dtype(p.dw.dtype), p.db.data, out_dtype(p.db.dtype)};
 
   check(op, "kernel launch", dispatch_dtype(p.x.dtype, [&](auto tag) {
