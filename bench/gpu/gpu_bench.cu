@@ -131,13 +131,26 @@ void quantized_ops(Timer& timer, const Context& ctx, const cuda::DeviceInfo& dev
             std::string(cuda::kernel_kind_name(plan.kind)) + "/v" + std::to_string(plan.vec) + "k" +
             std::to_string(plan.vecs_per_thread) + "t" + std::to_string(plan.team_threads) + "x" +
             std::to_string(plan.rows_per_cta) + "c" + std::to_string(plan.cluster_size);
-        auto report = [&](const std::string& op, double bytes, const std::function<void()>& fn) {
+        auto report = [&](const std::string& op, double bytes, const std::function<void()>& fn,
+                          const char* impl = "fusednorm") {
           const double us = timer.median_us(fn);
           CHECK(cudaGetLastError());
-          std::printf("fusednorm,%s,%s,%lld,%lld,%.3f,%.1f,%s\n", op.c_str(), dtype_name(dt),
+          std::printf("%s,%s,%s,%lld,%lld,%.3f,%.1f,%s\n", impl, op.c_str(), dtype_name(dt),
                       static_cast<long long>(rows), static_cast<long long>(cols), us, bytes / us / 1e3,
                       plan_name.c_str());
           std::fflush(stdout);
+        };
+        // The register-row kernels again with kQuantRegisterCap registers per thread
+        // (FUSEDNORM_CUDA_QUANT_REGISTER_CAP=1, read by the backend at every call): the A/B of
+        // src/cuda/NOTES.md's lead for the quantized forward, in the same run.
+        const bool register_rows =
+            plan.kind == cuda::KernelKind::kRegisterRow || plan.kind == cuda::KernelKind::kRowsPerCta;
+        auto report_quant = [&](const std::string& op, double bytes, const std::function<void()>& fn) {
+          report(op, bytes, fn);
+          if (!register_rows) return;
+          setenv("FUSEDNORM_CUDA_QUANT_REGISTER_CAP", "1", 1);
+          report(op, bytes, fn, "fusednorm_regcap");
+          unsetenv("FUSEDNORM_CUDA_QUANT_REGISTER_CAP");
         };
         report("rms_norm", 2 * io + pv, [&] { rms_norm(ctx, xm, wv, matrix(y, dt, rows, cols), nullptr); });
         report("fused_add_rms_norm", 4 * io + pv,
@@ -150,10 +163,10 @@ void quantized_ops(Timer& timer, const Context& ctx, const cuda::DeviceInfo& dev
             const std::string suffix = std::string("_") + (qdt == DType::kInt8 ? "int8" : "fp8") +
                                        (dynamic ? "_dynamic" : "_static");
             const double scale_bytes = dynamic ? 4.0 * rows : 4.0;
-            report("rms_norm_quant" + suffix, io + qb + pv + scale_bytes,
-                   [&] { rms_norm_quant(ctx, xm, wv, qm, qs); });
-            report("fused_add_rms_norm_quant" + suffix, 3 * io + qb + pv + scale_bytes,
-                   [&] { fused_add_rms_norm_quant(ctx, xm, rm, wv, qm, qs); });
+            report_quant("rms_norm_quant" + suffix, io + qb + pv + scale_bytes,
+                         [&] { rms_norm_quant(ctx, xm, wv, qm, qs); });
+            report_quant("fused_add_rms_norm_quant" + suffix, 3 * io + qb + pv + scale_bytes,
+                         [&] { fused_add_rms_norm_quant(ctx, xm, rm, wv, qm, qs); });
           }
         }
         for (void* p : {x, r, y, q, w}) cudaFree(p);

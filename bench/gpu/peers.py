@@ -176,9 +176,10 @@ def main():
             writer.writerow({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in row.items()})
 
     # One table: op x dtype x shape rows, one column per implementation: "us (pct%)".
+    ops = ["rms_norm", "fused_add_rms_norm", "layer_norm", "rms_norm_backward", "layer_norm_backward"]
     impls = []
     for row in rows_out:
-        if row["op"] not in ("copy", "launch") and row["impl"] not in impls:
+        if row["op"] in ops and row["impl"] not in impls:
             impls.append(row["impl"])
     cell = {}
     for row in rows_out:
@@ -189,7 +190,6 @@ def main():
             print(f"empty kernel (events, L2 flushed): {float(row['us']):.2f} us")
     header = ["op", "dtype", "rows x D", "MB"] + impls
     print(" | ".join(header))
-    ops = ["rms_norm", "fused_add_rms_norm", "layer_norm", "rms_norm_backward", "layer_norm_backward"]
     for op in ops:
         for dname in DTYPES:
             for rows, cols in SHAPES:
@@ -208,12 +208,13 @@ def main():
     quant = [r for r in fused_rows if "_quant_" in r["op"]]
     if quant:
         print()
-        print("quantized RMSNorm: op | dtype | rows x D | us | % of copy | plan")
+        # fusednorm_regcap: the register rows capped at kQuantRegisterCap (gpu_bench.cu).
+        print("quantized RMSNorm: impl | op | dtype | rows x D | us | % of copy | plan")
         for row in quant:
             gbps = float(row["gbps"])
             pct = 100.0 * gbps / fused_copy if fused_copy else float("nan")
-            print(f"{row['op']} | {row['dtype']} | {row['rows']}x{row['cols']} | {float(row['us']):.1f} | "
-                  f"{pct:.0f}% | {row.get('plan', '')}")
+            print(f"{row['impl']} | {row['op']} | {row['dtype']} | {row['rows']}x{row['cols']} | "
+                  f"{float(row['us']):.1f} | {pct:.0f}% | {row.get('plan', '')}")
 
 
 if __name__ == "__main__":

@@ -128,12 +128,13 @@ void log_plan(const char* op, DType dtype, const ProblemShape& shape, const Laun
   char line[320];
   std::snprintf(line, sizeof line,
                 "fusednorm: cuda plan: op=%s dtype=%s rows=%lld cols=%lld aligned=%d kind=%s "
-                "vec=%d k=%d t=%d x=%d c=%d grid=%lld smem=%lld resident_per_sm=%d",
+                "vec=%d k=%d t=%d x=%d c=%d grid=%lld smem=%lld resident_per_sm=%d%s",
                 op, dtype_name(dtype), static_cast<long long>(shape.rows),
                 static_cast<long long>(shape.cols), shape.vector_aligned ? 1 : 0,
                 kernel_kind_name(plan.kind), plan.vec, plan.vecs_per_thread, plan.team_threads,
                 plan.rows_per_cta, plan.cluster_size, static_cast<long long>(plan.grid),
-                static_cast<long long>(plan.smem_bytes), resident.per_sm(plan, kernel));
+                static_cast<long long>(plan.smem_bytes), resident.per_sm(plan, kernel),
+                plan.quant_register_cap ? " register_cap=1" : "");
   static std::mutex mutex;
   static std::set<std::string> seen;
   std::lock_guard<std::mutex> lock(mutex);
@@ -146,6 +147,8 @@ PlanOptions plan_options() {
   PlanOptions options;
   const char* staged = std::getenv("FUSEDNORM_CUDA_STAGED_ROWS");
   options.staged_rows = staged == nullptr || std::strcmp(staged, "0") != 0;
+  const char* cap = std::getenv("FUSEDNORM_CUDA_QUANT_REGISTER_CAP");
+  options.quant_register_cap = cap != nullptr && std::strcmp(cap, "0") != 0;
   return options;
 }
 

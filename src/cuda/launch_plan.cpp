@@ -165,6 +165,7 @@ LaunchPlan plan_backward(const ProblemShape& s, const DeviceInfo& d, const PlanO
 LaunchPlan plan_forward(const ProblemShape& s, const DeviceInfo& d, const ResidentCtas& resident,
                         const PlanOptions& options) {
   LaunchPlan plan;
+  plan.quant_register_cap = options.quant_register_cap;
   plan.vec = s.vector_aligned ? full_vector(s.elem_bytes) : 1;
   const std::int64_t nvec = ceil_div(s.cols, plan.vec);
   const std::int64_t rows = std::max<std::int64_t>(s.rows, 1);

@@ -66,6 +66,9 @@ struct LaunchPlan {
   // Backward kClusterRow: dy and x staged in shared memory beside the column sums; false:
   // only the sums are, and dy and x are read from device memory (L2) in each pass.
   bool staged_inputs = true;
+  // Forward kRegisterRow / kRowsPerCta of the quantized forward: the capped kernel
+  // (PlanOptions::quant_register_cap); the other launchers ignore it.
+  bool quant_register_cap = false;
   std::int64_t smem_bytes = 0;  // dynamic shared memory per CTA
   std::int64_t grid = 0;        // CTAs (a multiple of cluster_size); kernels loop over rows
 
@@ -127,6 +130,11 @@ struct PlanOptions {
   // true: the two-pass kernels whatever the shape. The two-phase (column-sliced) calls run
   // their passes separately: phase 1 is the first pass, phase 2 the rest.
   bool two_pass_only = false;
+  // true: the quantized forward's register rows run norm_forward_register_capped_kernel
+  // (kQuantRegisterCap registers per thread) instead of the ptxas-chosen count (the backend
+  // reads FUSEDNORM_CUDA_QUANT_REGISTER_CAP=1; gpu_bench times both in one run). The
+  // planner copies it into the plan, so the occupancy answer is the capped kernel's.
+  bool quant_register_cap = false;
 };
 
 // The kernel of a plan an occupancy question is about: the row kernel (every kind; for a
@@ -210,6 +218,11 @@ inline constexpr int kFloat64Threads = 128;
 // planner gives its family (kMaxThreadsPerCta: 128 registers). How many CTAs are resident
 // per SM below that bound is the runtime's answer (ResidentCtas), not an assumption.
 inline constexpr int kRegistersPerSm = 65536;
+// norm_forward_register_capped_kernel's registers per thread (__maxnreg__): 3 CTAs of 256
+// threads per SM (3 * 256 * 80 <= kRegistersPerSm).
+inline constexpr int kQuantRegisterCap = 80;
+static_assert(3 * 256 * kQuantRegisterCap <= kRegistersPerSm, "3 CTAs of 256 threads per SM");
+static_assert(kMaxThreadsPerCta * kQuantRegisterCap <= kRegistersPerSm, "a 512-thread CTA fits");
 inline constexpr int kMaxCtasPerSm = 32;  // sm_80 and sm_90
 
 }  // namespace fusednorm::cuda

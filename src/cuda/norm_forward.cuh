@@ -100,8 +100,8 @@ __device__ __forceinline__ void add_residual(Pack<T, kVec>& v, Pack<T, kVec>& r,
 // L1 / L2, and holding them in registers across rows (up to 2 * 32 floats) made ptxas
 // spill at large kK.
 template <typename T, int kVec, int kK, typename V>
-__global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
-    norm_forward_register_kernel(const ForwardArgs a, const std::int64_t row_groups) {
+__device__ __forceinline__ void norm_forward_register_rows(const ForwardArgs& a,
+                                                           const std::int64_t row_groups) {
   __shared__ float scratch[32];
   const int team = blockDim.x;
   const std::int64_t nvec = a.cols / kVec;
@@ -180,6 +180,27 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
       }
     }
   }
+}
+
+template <typename T, int kVec, int kK, typename V>
+__global__ void __launch_bounds__(kMaxThreadsPerCta, 1)
+    norm_forward_register_kernel(const ForwardArgs a, const std::int64_t row_groups) {
+  norm_forward_register_rows<T, kVec, kK, V>(a, row_groups);
+}
+
+// The quantized register row with at most kQuantRegisterCap registers per thread, for an
+// A/B on a device (PlanOptions::quant_register_cap, FUSEDNORM_CUDA_QUANT_REGISTER_CAP=1):
+// under __launch_bounds__(512, 1) ptxas gives the weighted bf16 kernel of 4 vectors per
+// thread 94 registers (sm_90), so only 2 of its 256-thread CTAs fit an SM; at <= 80, 3 do
+// (no spills at 80: check_sass.py). Whether the extra CTA's loads in flight pay for a tighter
+// schedule is the device's to say (src/cuda/NOTES.md, the quantized forward on the H200).
+// __maxnreg__ cannot be combined with __launch_bounds__; at 80 registers a 512-thread CTA
+// still fits an SM.
+template <typename T, int kVec, int kK, typename V>
+__global__ void __maxnreg__(kQuantRegisterCap)
+    norm_forward_register_capped_kernel(const ForwardArgs a, const std::int64_t row_groups) {
+  static_assert(V::kQuant, "the register cap is an A/B for the quantized forward");
+  norm_forward_register_rows<T, kVec, kK, V>(a, row_groups);
 }
 
 // ---- Large D: one CTA (or one cluster) per row ------------------------------------------

@@ -38,6 +38,12 @@ cudaError_t with_forward_kernel(const LaunchPlan& plan, const ForwardArgs& a, Fn
         const std::int64_t groups = ceil_div64(a.rows, plan.rows_per_cta);
         const dim3 block(plan.team_threads, plan.rows_per_cta);
         return with_int<1, 2, 4>(plan.vecs_per_thread, [&](auto k) {
+          if constexpr (V::kQuant) {
+            if (plan.quant_register_cap) {
+              return fn(norm_forward_register_capped_kernel<T, kVec, decltype(k)::value, V>, grid,
+                        block, std::int64_t{0}, 1, groups);
+            }
+          }
           return fn(norm_forward_register_kernel<T, kVec, decltype(k)::value, V>, grid, block,
                     std::int64_t{0}, 1, groups);
         });

@@ -34,6 +34,9 @@ import sys
 # the planner launches it with; with kRegistersPerSm, that bounds its registers per thread.
 FAMILIES = {
     "norm_forward_register_kernel": "kMaxThreadsPerCta",
+    # The quantized register row under __maxnreg__(kQuantRegisterCap) (an A/B: PlanOptions::
+    # quant_register_cap); its budget is the cap too (REGISTER_CAPS).
+    "norm_forward_register_capped_kernel": "kMaxThreadsPerCta",
     "norm_forward_row_kernel": "kMaxThreadsPerCta",
     "norm_backward_register_kernel": "kMaxThreadsPerCta",
     "norm_backward_row_kernel": "kMaxThreadsPerCta",
@@ -48,9 +51,12 @@ FAMILIES = {
     "dx_f64_kernel": "kFloat64Threads",
 }
 MAX_REGISTERS = 255  # per thread, by the instruction set
+# Families compiled under __maxnreg__: the launch_plan.h constant that caps their registers.
+REGISTER_CAPS = {"norm_forward_register_capped_kernel": "kQuantRegisterCap"}
 # Families whose full-vector instantiations must move 16 bytes per global access.
-VECTORIZED = ["norm_forward_register_kernel", "norm_forward_row_kernel", "norm_backward_register_kernel",
-              "norm_backward_row_kernel"]
+VECTORIZED = ["norm_forward_register_kernel", "norm_forward_register_capped_kernel", "norm_forward_row_kernel",
+              "norm_backward_register_kernel", "norm_backward_row_kernel"]
+QUANT_ONLY = {"norm_forward_register_capped_kernel"}  # families instantiated for kQuant only
 ELEM_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
 ROW_STORAGE = {"0": "kSmem", "1": "kCluster", "2": "kGlobal"}
 
@@ -78,6 +84,10 @@ def planner_budgets(header):
         threads = constant(threads_name)
         budgets[family] = (min(MAX_REGISTERS, per_sm // threads),
                            f"kRegistersPerSm / {threads_name} = {per_sm} / {threads}", threads)
+        if family in REGISTER_CAPS:
+            cap = constant(REGISTER_CAPS[family])
+            if cap < budgets[family][0]:
+                budgets[family] = (cap, f"__maxnreg__({REGISTER_CAPS[family]} = {cap})", threads)
     return budgets
 
 
@@ -252,7 +262,13 @@ def main():
     for arch in archs:
         for family in VECTORIZED:
             for dtype in ELEM_BYTES:
-                for quantized in (False, True) if family.startswith("norm_forward") else (False,):
+                if family in QUANT_ONLY:
+                    variants = (True,)
+                elif family.startswith("norm_forward"):
+                    variants = (False, True)
+                else:
+                    variants = (False,)
+                for quantized in variants:
                     if (family, dtype, quantized) not in found_vectorized[arch]:
                         what = ", quantized" if quantized else ""
                         failures.append(f"{family}<{dtype}, full vector{what}> [{arch}]: not found, so not checked")

@@ -41,6 +41,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __maxnreg__(...)
 // Static and dynamic (extern) shared memory: storage of the OS thread that runs the CTA.
 #define __shared__ thread_local
 // Cluster code in the kernels is compiled for sm_90.
