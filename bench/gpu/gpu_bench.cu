@@ -95,6 +95,16 @@ void fill_random(void* dev, DType dtype, std::int64_t n, unsigned seed) {
   }
 }
 
+// A plan's kernel shape for the CSV: kind/v<vec>k<vectors per thread>t<team>x<rows per
+// CTA>c<cluster>. The kernel shape only: the backend sizes the grid with the runtime's
+// occupancy answer for the kernel it launches (ResidentCtas), which this planner call does
+// not ask for (FUSEDNORM_CUDA_LOG_PLANS=1 prints the launched plans with it).
+std::string plan_label(const cuda::LaunchPlan& p) {
+  return std::string(cuda::kernel_kind_name(p.kind)) + "/v" + std::to_string(p.vec) + "k" +
+         std::to_string(p.vecs_per_thread) + "t" + std::to_string(p.team_threads) + "x" +
+         std::to_string(p.rows_per_cta) + "c" + std::to_string(p.cluster_size);
+}
+
 // The quantized RMSNorm (issue 9) at vLLM's serving shapes (tokens x hidden): static and
 // dynamic scales, int8 and FP8, with and without the fused residual add, beside the
 // unquantized rms_norm / fused_add_rms_norm of the same shapes. Bytes: x read, q written (1
@@ -126,11 +136,7 @@ void quantized_ops(Timer& timer, const Context& ctx, const cuda::DeviceInfo& dev
         const double io = static_cast<double>(n) * es, qb = static_cast<double>(n), pv = static_cast<double>(cols) * es;
         const cuda::ProblemShape shape{rows, cols, static_cast<int>(es), true, 0};
         const cuda::LaunchPlan plan = cuda::plan_forward(shape, dev);
-        // The kernel shape only (the backend's grid comes from the occupancy query).
-        const std::string plan_name =
-            std::string(cuda::kernel_kind_name(plan.kind)) + "/v" + std::to_string(plan.vec) + "k" +
-            std::to_string(plan.vecs_per_thread) + "t" + std::to_string(plan.team_threads) + "x" +
-            std::to_string(plan.rows_per_cta) + "c" + std::to_string(plan.cluster_size);
+        const std::string plan_name = plan_label(plan);
         auto report = [&](const std::string& op, double bytes, const std::function<void()>& fn,
                           const char* impl = "fusednorm") {
           const double us = timer.median_us(fn);
@@ -240,13 +246,6 @@ int main(int argc, char** argv) {
       const double io = static_cast<double>(n) * es;  // bytes of one rows x cols stream
       const double pv = static_cast<double>(cols) * es;
 
-      // The kernel shape only: the backend sizes the grid with the runtime's occupancy answer
-      // for the kernel it launches (ResidentCtas), which this planner call does not ask for.
-      auto plan_name = [](const cuda::LaunchPlan& p) {
-        return std::string(cuda::kernel_kind_name(p.kind)) + "/v" + std::to_string(p.vec) + "k" +
-               std::to_string(p.vecs_per_thread) + "t" + std::to_string(p.team_threads) + "x" +
-               std::to_string(p.rows_per_cta) + "c" + std::to_string(p.cluster_size);
-      };
       struct Op {
         const char* name;
         double bytes;
@@ -294,7 +293,7 @@ int main(int argc, char** argv) {
           CHECK(cudaGetLastError());
           std::printf("%s,%s,%s,%lld,%lld,%.3f,%.1f,%s\n", impl, op.name, dtype_name(dt),
                       static_cast<long long>(rows), static_cast<long long>(cols), us, op.bytes / us / 1e3,
-                      plan_name(plan).c_str());
+                      plan_label(plan).c_str());
           std::fflush(stdout);
         };
         const cuda::LaunchPlan plan = plan_for({});

@@ -343,31 +343,24 @@ RowStats compute_row_stats(std::int64_t cols, bool is_centered, float eps, First
   return row_stats_from_first_total(cols, is_centered, eps, chunked_sum(cols, first), centered);
 }
 
-// Everything the forward path needs about one call, resolved once; nothing is allocated.
-struct ForwardCall {
+// A forward call's rows and their first reductions, which every forward path (y or q)
+// reads the same way.
+struct ForwardRows {
   const ForwardProblem& p;
   const DTypeKernels& k;
   std::size_t esize;
   bool centered;
-  bool stream;
-  ParamType weight_type, bias_type;
-  float weight_offset;  // as the kernels add it
 
-  explicit ForwardCall(const ForwardProblem& problem)
+  explicit ForwardRows(const ForwardProblem& problem)
       : p(problem),
         k(row_kernels().by_dtype[static_cast<int>(problem.x.dtype)]),
         esize(dtype_size(problem.x.dtype)),
-        centered(problem.kind == NormKind::kLayer),
-        stream(stream_output(problem.y)),
-        weight_type(param_type(problem.weight)),
-        bias_type(param_type(problem.bias)),
-        weight_offset(kernel_weight_offset(centered ? 0.0f : problem.weight_offset)) {}
+        centered(problem.kind == NormKind::kLayer) {}
 
   const void* x_row(std::int64_t r) const { return advance(p.x.data, r * p.x.row_stride, esize); }
   void* residual_row(std::int64_t r) const {
     return advance(p.residual.data, r * p.residual.row_stride, esize);
   }
-  void* y_row(std::int64_t r) const { return advance(p.y.data, r * p.y.row_stride, esize); }
   // The row that gets normalized: the updated residual for the fused add, else x.
   const void* source_row(std::int64_t r) const {
     return p.has_residual() ? residual_row(r) : x_row(r);
@@ -387,6 +380,35 @@ struct ForwardCall {
   float centered_stat(std::int64_t r, std::int64_t begin, std::int64_t n, float mean) const {
     return k.sum_squares[1](advance(x_row(r), begin, esize), n, mean);
   }
+  // first_stat of the same chunk of rows r and r + 1, read side by side: sums[i] has the bits
+  // of first_stat(r + i, begin, n).
+  void first_stat_pair(std::int64_t r, std::int64_t begin, std::int64_t n, float* sums) const {
+    if (p.has_residual()) {
+      k.add_residual_pair(advance(x_row(r), begin, esize), advance(x_row(r + 1), begin, esize),
+                          advance(residual_row(r), begin, esize),
+                          advance(residual_row(r + 1), begin, esize), n, sums);
+    } else {
+      k.first_stat_pair[centered](advance(x_row(r), begin, esize),
+                                  advance(x_row(r + 1), begin, esize), n, sums);
+    }
+  }
+};
+
+// Everything the forward path needs about one call, resolved once; nothing is allocated.
+struct ForwardCall : ForwardRows {
+  bool stream;
+  ParamType weight_type, bias_type;
+  float weight_offset;  // as the kernels add it
+
+  explicit ForwardCall(const ForwardProblem& problem)
+      : ForwardRows(problem),
+        stream(stream_output(problem.y)),
+        weight_type(param_type(problem.weight)),
+        bias_type(param_type(problem.bias)),
+        weight_offset(kernel_weight_offset(centered ? 0.0f : problem.weight_offset)) {}
+
+  void* y_row(std::int64_t r) const { return advance(p.y.data, r * p.y.row_stride, esize); }
+
   // ahead: the row read next by this thread (NormalizeFn), or nullptr.
   void normalize(std::int64_t r, std::int64_t begin, std::int64_t n, float mean, float rstd,
                  const void* ahead = nullptr) const {
@@ -418,17 +440,9 @@ struct ForwardCall {
   // side (for the fused add, both rows' residual adds); for rows that reads_pairs() allows.
   bool reads_pairs() const { return p.phase == Phase::kWhole; }
   void row_stats_pair(std::int64_t r, RowStats* stats) const {
-    const std::array<float, 2> first_total =
-        chunked_sum_pair(p.cols(), [&](std::int64_t b, std::int64_t n, float* sums) {
-          if (p.has_residual()) {
-            k.add_residual_pair(advance(x_row(r), b, esize), advance(x_row(r + 1), b, esize),
-                                advance(residual_row(r), b, esize),
-                                advance(residual_row(r + 1), b, esize), n, sums);
-          } else {
-            k.first_stat_pair[centered](advance(x_row(r), b, esize),
-                                        advance(x_row(r + 1), b, esize), n, sums);
-          }
-        });
+    const std::array<float, 2> first_total = chunked_sum_pair(
+        p.cols(),
+        [&](std::int64_t b, std::int64_t n, float* sums) { first_stat_pair(r, b, n, sums); });
     for (std::int64_t i = 0; i < 2; ++i) {
       stats[i] = row_stats_from_first_total(
           p.cols(), centered, p.eps, first_total[i],
@@ -635,7 +649,6 @@ constexpr std::int64_t kQuantStagingFloats = 8192;  // 32 KiB: D = 8192 in one p
 void forward_quantized(const ForwardProblem& p, int num_threads) {
   const DType dtype = p.x.dtype;
   const std::size_t esize = dtype_size(dtype);
-  const DTypeKernels& k = row_kernels().by_dtype[static_cast<int>(dtype)];
   const QuantKernels& qk = quant_kernels();
   const QuantizeFn quantize_any = qk.quantize[quant_index(p.q.dtype)];
   const QuantizeFn quantize_in_range = qk.quantize_in_range[quant_index(p.q.dtype)];
@@ -670,60 +683,28 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const ThreadPlan plan = plan_threads(p.rows(), cols, bytes, num_threads);
   const bool stream = prepare_large_output(p.q);
   const StreamCopyFn stream_copy = row_kernels().stream_copy;
-  // The fused add reads its rows in pairs (pair_sum_squares), for a large q: its step 1 is
-  // two streams (x and residual) read and one written, with nothing fetched ahead. Pairs
-  // against one row, 16384 x 4096 and 2048 x 8192, 2 threads, AVX3, Intel VM, 4 rounds:
+  // The fused add reads its rows in pairs (ForwardRows::first_stat_pair), for a large q: its
+  // step 1 is two streams (x and residual) read and one written, with nothing fetched ahead.
+  // Pairs against one row, 16384 x 4096 and 2048 x 8192, 2 threads, AVX3, Intel VM, 4 rounds:
   // fp16 0.75-0.92 (one 1.37), bf16 0.83-0.98, fp32 0.97-1.14; fused add geomean 0.94 over
   // 24, the unchanged ops 0.97-1.09 as controls. The plain quantized norm read in pairs was
   // no faster (geomean 1.00-1.03 over 12 per mode; it fetches its next row instead), so it
   // reads one row at a time (docs/PERFORMANCE.md, twentieth session).
-  const bool reads_quant_pairs = stream && p.has_residual();
-  auto x_row = [&](std::int64_t r) { return advance(p.x.data, r * p.x.row_stride, esize); };
-  auto residual_row = [&](std::int64_t r) {
-    return p.has_residual() ? advance(p.residual.data, r * p.residual.row_stride, esize) : nullptr;
-  };
-  // Step 1 of one row: its sum of squares (after the fused add's residual update).
-  auto row_sum_squares = [&](std::int64_t r) {
-    const void* x = x_row(r);
-    void* residual = residual_row(r);
-    return chunked_sum(cols, [&](std::int64_t begin, std::int64_t n) {
-      if (residual != nullptr) {
-        return k.add_residual(advance(x, begin, esize), advance(residual, begin, esize), n);
-      }
-      return k.sum_squares[0](advance(x, begin, esize), n, 0.0f);
-    });
-  };
-  // Step 1 of rows r and r + 1 read side by side (two streams per core read faster than one,
-  // as in forward_rows); each row's sum has row_sum_squares' bits.
-  auto pair_sum_squares = [&](std::int64_t r) {
-    const void* x0 = x_row(r);
-    const void* x1 = x_row(r + 1);
-    void* residual0 = residual_row(r);
-    void* residual1 = residual_row(r + 1);
-    return chunked_sum_pair(cols, [&](std::int64_t begin, std::int64_t n, float* sums) {
-      if (residual0 != nullptr) {
-        k.add_residual_pair(advance(x0, begin, esize), advance(x1, begin, esize),
-                            advance(residual0, begin, esize), advance(residual1, begin, esize), n,
-                            sums);
-      } else {
-        k.first_stat_pair[0](advance(x0, begin, esize), advance(x1, begin, esize), n, sums);
-      }
-    });
-  };
+  const ForwardRows reader(p);  // the rows and step 1's sums, as the forward reads them
+  const std::int64_t group = stream && p.has_residual() ? 2 : 1;
   // Steps 2 and 3 read the row from the caches; meanwhile the thread's next row at the same
   // place (`ahead`) is fetched. 16384 x 4096 and 2048 x 8192, 2 threads, AVX3, 3 rounds,
   // new / old geomean: fp16 0.78, bf16 0.84, fp32 1.01; AVX2 0.88. Not for the fused add:
   // prefetching its next x gave 0.97-1.16 (docs/PERFORMANCE.md, sixteenth session).
-  const std::int64_t group = reads_quant_pairs ? 2 : 1;
   const bool fetch =
       stream && !p.has_residual() && fetches_ahead(static_cast<std::size_t>(group * cols) * esize);
   auto finish_row = [&](std::int64_t r, float sum_squares) {
     alignas(64) float y[kQuantStagingFloats];
     alignas(64) unsigned char q_staging[kStagingBytes];
     const float rstd = rstd_from_mean_square(sum_squares / static_cast<float>(cols), p.eps);
-    const void* source = p.has_residual() ? residual_row(r) : x_row(r);
+    const void* source = reader.source_row(r);
     // Rows are this thread's in order (parallel_for's static schedule), `group` per task.
-    const void* ahead = fetch && r + group < p.rows() ? x_row(r + group) : nullptr;
+    const void* ahead = fetch && r + group < p.rows() ? reader.x_row(r + group) : nullptr;
     auto normalize_piece = [&](std::int64_t begin, std::int64_t n) {
       const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);
       return normalize_amax(advance(source, begin, esize), w, y, n, rstd, w_offset,
@@ -778,14 +759,21 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
       quantize_piece(begin, n, inv_scale);
     }
   };
+  // Step 1 (the sum of squares after the fused add's residual update) in chunked_sum's
+  // order, so rstd has rms_norm's bits; a pair's sums have the one-row bits.
   parallel_for(plan.threads, ceil_div(p.rows(), group), [&](std::int64_t task) {
     const std::int64_t r = task * group;
     if (group == 2 && r + 1 < p.rows()) {
-      const std::array<float, 2> sums = pair_sum_squares(r);
+      const std::array<float, 2> sums =
+          chunked_sum_pair(cols, [&](std::int64_t b, std::int64_t n, float* pair_sums) {
+            reader.first_stat_pair(r, b, n, pair_sums);
+          });
       finish_row(r, sums[0]);
       finish_row(r + 1, sums[1]);
     } else {
-      finish_row(r, row_sum_squares(r));
+      finish_row(r, chunked_sum(cols, [&](std::int64_t b, std::int64_t n) {
+                   return reader.first_stat(r, b, n);
+                 }));
     }
   });
 }

@@ -7,10 +7,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <cstdio>
 #include <mutex>
 #include <set>
 #include <string>
@@ -119,7 +119,7 @@ ProblemShape problem_shape(const ConstMatrix& x, std::initializer_list<const voi
 // call has no compiled kernel to ask about (src/cuda/NOTES.md, the quantized forward on the
 // H200). Off, one cached getenv per call.
 void log_plan(const char* op, DType dtype, const ProblemShape& shape, const LaunchPlan& plan,
-              const ResidentCtas& resident, PlannedKernel kernel = PlannedKernel::kRows) {
+              const ResidentCtas& resident) {
   static const bool enabled = [] {
     const char* v = std::getenv("FUSEDNORM_CUDA_LOG_PLANS");
     return v != nullptr && std::strcmp(v, "0") != 0;
@@ -133,7 +133,7 @@ void log_plan(const char* op, DType dtype, const ProblemShape& shape, const Laun
                 static_cast<long long>(shape.cols), shape.vector_aligned ? 1 : 0,
                 kernel_kind_name(plan.kind), plan.vec, plan.vecs_per_thread, plan.team_threads,
                 plan.rows_per_cta, plan.cluster_size, static_cast<long long>(plan.grid),
-                static_cast<long long>(plan.smem_bytes), resident.per_sm(plan, kernel),
+                static_cast<long long>(plan.smem_bytes), resident.per_sm(plan, PlannedKernel::kRows),
                 plan.quant_register_cap ? " register_cap=1" : "");
   static std::mutex mutex;
   static std::set<std::string> seen;
