@@ -91,13 +91,14 @@ const void* ahead_at(const void* ahead, std::int64_t begin, std::size_t esize) {
   return ahead == nullptr ? nullptr : advance(ahead, begin, esize);
 }
 
-// A weight as fp32 with the weight offset folded in (w + offset, one fp32 add, as the
-// forward kernels add it), for the backward and for the quantized forward of many rows;
-// borrows the caller's buffer when no conversion is needed. (The plain forward kernels
-// read weights in their own dtype.) The conversion is the SIMD kernels' (exact); the copy
-// lives in the calling thread's buffer, kept between calls, so that a call allocates
-// nothing once the buffer has grown to D (it keeps D * 4 bytes per calling thread); a
-// second PreparedVector alive on the same thread gets its own storage.
+// A weight (or bias) as fp32 with the weight offset folded in (w + offset, one fp32 add, as
+// the forward kernels add it), for the backward, the quantized forward and the fp16 forward
+// of more than one row (ForwardCall); borrows the caller's buffer when no conversion is
+// needed. (The other forward calls' kernels read weights in their own dtype.) The
+// conversion is the SIMD kernels' (exact); the copy lives in one of the calling thread's
+// buffers, kept between calls, so that a call allocates nothing once the buffer has grown
+// to D (each keeps D * 4 bytes per calling thread); a third PreparedVector alive on the same
+// thread gets its own storage.
 // narrow_nans: every NaN of the result becomes the default NaN (whose low 16 payload bits
 // are zero), as the backward kernels of bf16 rows require (row_kernels.h); an fp32 weight
 // is then always copied. (Only NaN payloads change; a NaN stays a NaN.)
@@ -111,9 +112,13 @@ class PreparedVector {
     }
     const auto n = static_cast<std::size_t>(v.size);
     std::vector<float>* storage = &own_storage_;
-    if (!thread_buffer_in_use_) {
-      thread_buffer_in_use_ = holds_thread_buffer_ = true;
-      storage = &thread_buffer_;
+    for (int slot = 0; slot < kThreadBuffers; ++slot) {
+      if (!thread_buffer_in_use_[slot]) {
+        thread_buffer_in_use_[slot] = true;
+        thread_slot_ = slot;
+        storage = &thread_buffer_[slot];
+        break;
+      }
     }
     if (storage->size() < n) storage->resize(n);
     float* out = storage->data();
@@ -129,7 +134,7 @@ class PreparedVector {
     data_ = out;
   }
   ~PreparedVector() {
-    if (holds_thread_buffer_) thread_buffer_in_use_ = false;
+    if (thread_slot_ >= 0) thread_buffer_in_use_[thread_slot_] = false;
   }
   PreparedVector(const PreparedVector&) = delete;
   PreparedVector& operator=(const PreparedVector&) = delete;
@@ -137,14 +142,16 @@ class PreparedVector {
   bool present() const { return data_ != nullptr; }
 
  private:
-  static thread_local std::vector<float> thread_buffer_;
-  static thread_local bool thread_buffer_in_use_;
+  // Two per thread: a LayerNorm's weight and bias are alive together (ForwardCall).
+  static constexpr int kThreadBuffers = 2;
+  static thread_local std::vector<float> thread_buffer_[kThreadBuffers];
+  static thread_local bool thread_buffer_in_use_[kThreadBuffers];
   std::vector<float> own_storage_;
-  bool holds_thread_buffer_ = false;
+  int thread_slot_ = -1;  // the thread buffer held, or -1
   const float* data_ = nullptr;
 };
-thread_local std::vector<float> PreparedVector::thread_buffer_;
-thread_local bool PreparedVector::thread_buffer_in_use_ = false;
+thread_local std::vector<float> PreparedVector::thread_buffer_[PreparedVector::kThreadBuffers];
+thread_local bool PreparedVector::thread_buffer_in_use_[PreparedVector::kThreadBuffers] = {};
 
 // Outputs at least this large are written with non-temporal stores; smaller ones with
 // ordinary stores, so that they stay in cache for the next layer. Measured on a 2-core
@@ -394,18 +401,58 @@ struct ForwardRows {
   }
 };
 
-// Everything the forward path needs about one call, resolved once; nothing is allocated.
+// fp16 rows of a call with at least kPreparedParamsMinRows rows read their half-precision
+// weight and bias as fp32 copies made once per call (PreparedVector: no allocation once its
+// thread buffer has grown), not converted again for every row: the F16C conversions bound
+// the fp16 write loop on Zen 1 (two micro-ops each per 256-bit vector), and the prepared
+// weight removes one of its three (RMSNorm) or two of its four (LayerNorm). Same bits (the
+// conversion is exact and the offset is the same one fp32 add). Zen 1, AVX2, one thread,
+// 16 x 4096 in the caches: rms_norm 37.8 -> 29.1 us, layer_norm 60 -> 50, fused add 72 ->
+// 64, short rows (256 x 128) 21.6 -> 20.4; 2 threads from memory, geomean 0.95 over 24
+// pairs (docs/PERFORMANCE.md, twenty-first session). One row (decode) keeps the direct read:
+// the copy would cost a pass over the weight for one row's use. bf16 keeps it too: its
+// weight widens with one shift in the parity layout, which an fp32 weight would break.
+// FUSEDNORM_PREPARED_HALF_PARAMS=0 turns it off, for the A/B on other machines (unmeasured
+// on AVX-512 so far).
+constexpr std::int64_t kPreparedParamsMinRows = 2;
+bool prepares_half_params(const ForwardProblem& p) {
+  static const char* const env = std::getenv("FUSEDNORM_PREPARED_HALF_PARAMS");
+  if (env != nullptr && env[0] == '0') return false;
+  const bool normalizes = p.phase == Phase::kWhole || p.phase == Phase::kFromSums;
+  return normalizes && p.x.dtype == DType::kFloat16 && p.rows() >= kPreparedParamsMinRows;
+}
+// v, when it is to be prepared as fp32 (present and not fp32 already), else none.
+ConstVector prepared_param(const ConstVector& v, bool prepare) {
+  return prepare && v.data != nullptr && v.dtype != DType::kFloat32 ? v : ConstVector{};
+}
+
+// Everything the forward path needs about one call, resolved once; nothing is allocated
+// (but a prepared weight's thread buffer, the first time it is needed at this D).
 struct ForwardCall : ForwardRows {
   bool stream;
+  bool prepare;
+  PreparedVector prepared_weight, prepared_bias;
+  ConstVector weight, bias;
   ParamType weight_type, bias_type;
   float weight_offset;  // as the kernels add it
 
   explicit ForwardCall(const ForwardProblem& problem)
       : ForwardRows(problem),
         stream(stream_output(problem.y)),
-        weight_type(param_type(problem.weight)),
-        bias_type(param_type(problem.bias)),
-        weight_offset(kernel_weight_offset(centered ? 0.0f : problem.weight_offset)) {}
+        prepare(prepares_half_params(problem)),
+        prepared_weight(prepared_param(problem.weight, prepare),
+                        centered ? 0.0f : problem.weight_offset),
+        prepared_bias(prepared_param(problem.bias, prepare), 0.0f),
+        weight(prepared_weight.present()
+                   ? ConstVector{prepared_weight.data(), DType::kFloat32, problem.weight.size}
+                   : problem.weight),
+        bias(prepared_bias.present()
+                 ? ConstVector{prepared_bias.data(), DType::kFloat32, problem.bias.size}
+                 : problem.bias),
+        weight_type(param_type(weight)),
+        bias_type(param_type(bias)),
+        weight_offset(kernel_weight_offset(
+            centered || prepared_weight.present() ? 0.0f : problem.weight_offset)) {}
 
   void* y_row(std::int64_t r) const { return advance(p.y.data, r * p.y.row_stride, esize); }
 
@@ -414,7 +461,7 @@ struct ForwardCall : ForwardRows {
                  const void* ahead = nullptr) const {
     const auto fn =
         k.normalize[stream][centered][weight_type][bias_type][offset_slot(weight_offset)];
-    fn(advance(source_row(r), begin, esize), param_at(p.weight, begin), param_at(p.bias, begin),
+    fn(advance(source_row(r), begin, esize), param_at(weight, begin), param_at(bias, begin),
        advance(y_row(r), begin, esize), n, mean, rstd, weight_offset,
        ahead_at(ahead, begin, esize));
   }
@@ -585,8 +632,8 @@ void forward_short_rows(const ForwardCall& call, int threads) {
       block.x_stride = p.x.row_stride;
       block.y = y;
       block.y_stride = p.y.row_stride;
-      block.w = p.weight.data;
-      block.b = p.bias.data;
+      block.w = call.weight.data;
+      block.b = call.bias.data;
       block.eps = p.eps;
       block.mean = p.mean != nullptr ? p.mean + first : nullptr;
       block.rstd = p.rstd != nullptr ? p.rstd + first : nullptr;
@@ -601,7 +648,7 @@ void forward_short_rows(const ForwardCall& call, int threads) {
       block.residual_stride = p.residual.row_stride;
       block.y = y;
       block.y_stride = p.y.row_stride;
-      block.w = p.weight.data;
+      block.w = call.weight.data;
       block.w_offset = call.weight_offset;
       block.eps = p.eps;
       block.rstd = p.rstd != nullptr ? p.rstd + first : nullptr;
