@@ -401,25 +401,31 @@ struct ForwardRows {
   }
 };
 
-// fp16 rows of a call with at least kPreparedParamsMinRows rows read their half-precision
-// weight and bias as fp32 copies made once per call (PreparedVector: no allocation once its
-// thread buffer has grown), not converted again for every row: the F16C conversions bound
-// the fp16 write loop on Zen 1 (two micro-ops each per 256-bit vector), and the prepared
-// weight removes one of its three (RMSNorm) or two of its four (LayerNorm). Same bits (the
-// conversion is exact and the offset is the same one fp32 add). Zen 1, AVX2, one thread,
-// 16 x 4096 in the caches: rms_norm 37.8 -> 29.1 us, layer_norm 60 -> 50, fused add 72 ->
-// 64, short rows (256 x 128) 21.6 -> 20.4; 2 threads from memory, geomean 0.95 over 24
-// pairs (docs/PERFORMANCE.md, twenty-first session). One row (decode) keeps the direct read:
-// the copy would cost a pass over the weight for one row's use. bf16 keeps it too: its
-// weight widens with one shift in the parity layout, which an fp32 weight would break.
-// FUSEDNORM_PREPARED_HALF_PARAMS=0 turns it off, for the A/B on other machines (unmeasured
-// on AVX-512 so far).
+// fp16 rows of a call of at least kPreparedParamsMinRows rows whose input fits
+// kPreparedParamsMaxBytes read their half-precision weight and bias as fp32 copies made once
+// per call (PreparedVector: no allocation once its thread buffer has grown), not converted
+// again for every row: in the caches the F16C conversions bound the fp16 write loop, and the
+// prepared weight removes one of its three (RMSNorm) or two of its four (LayerNorm). Same
+// bits (the conversion is exact and the offset is the same one fp32 add). Measured
+// (docs/PERFORMANCE.md, twenty-first and twenty-second sessions), prepared / direct:
+//   - in the caches, 16 x 4096, one thread: Zen 1 AVX2 rms_norm 0.77, layer_norm 0.83, fused
+//     add 0.89; Zen 4 AVX3 0.88, 0.90, 0.92 (AVX2 on Zen 4: 0.96, 0.96, 1.0);
+//   - Zen 4 AVX3, 2 threads, rms_norm by the input's size: 2-4 MiB (512 x 4096, 256 x 8192)
+//     0.90-0.97, layer_norm 0.91; 8 MiB (1024 x 4096, 512 x 8192) 1.07-1.24, fused add
+//     1.19; from memory (16384 x 4096, 2048 x 8192) 1.05-1.09: there the fp32 copy's
+//     doubled cache footprint costs more than the conversions it saves.
+// So larger calls keep the direct read, as does one row (decode: the copy would cost a pass
+// over the weight for one row's use). bf16 keeps it too: its weight widens with one shift in
+// the parity layout, which an fp32 weight would break.
 constexpr std::int64_t kPreparedParamsMinRows = 2;
+constexpr std::size_t kPreparedParamsMaxBytes = std::size_t{4} << 20;
 bool prepares_half_params(const ForwardProblem& p) {
-  static const char* const env = std::getenv("FUSEDNORM_PREPARED_HALF_PARAMS");
-  if (env != nullptr && env[0] == '0') return false;
   const bool normalizes = p.phase == Phase::kWhole || p.phase == Phase::kFromSums;
-  return normalizes && p.x.dtype == DType::kFloat16 && p.rows() >= kPreparedParamsMinRows;
+  // (A phased call sees a slice of each row; the whole rows are what stay cached or not.)
+  const std::int64_t row_cols = p.phase == Phase::kFromSums ? p.full_cols : p.cols();
+  const auto input_bytes = static_cast<std::size_t>(p.rows() * row_cols) * sizeof(std::uint16_t);
+  return normalizes && p.x.dtype == DType::kFloat16 && p.rows() >= kPreparedParamsMinRows &&
+         input_bytes <= kPreparedParamsMaxBytes;
 }
 // v, when it is to be prepared as fp32 (present and not fp32 already), else none.
 ConstVector prepared_param(const ConstVector& v, bool prepare) {

@@ -9,9 +9,9 @@
 // The forward kernels read a weight or bias in the dtype it is stored in (fp32 or the rows'
 // own dtype) and add RMSNorm's weight_offset in fp32 as they load it, which gives the bits
 // of folding the offset in first: no per-call conversion or buffer. (The backend still hands
-// fp16 rows of a many-row call an fp32 copy, made once per call, because F16C conversions
-// bound that loop on Zen 1: cpu_backend.cpp, prepares_half_params.) The backward kernels
-// take the weight as fp32 with the offset folded in.
+// fp16 rows of a many-row call that fits the caches an fp32 copy, made once per call,
+// because F16C conversions bound that loop there: cpu_backend.cpp, prepares_half_params.) The
+// backward kernels take the weight as fp32 with the offset folded in.
 #pragma once
 
 #include <cmath>

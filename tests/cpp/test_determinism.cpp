@@ -136,7 +136,8 @@ TEST_P(DeterminismTest, BackwardAcrossThreadCounts) {
 TEST_P(DeterminismTest, EachRowHasTheBitsOfItsOwnCall) {
   const float static_scale = 0.03125f;
   // 9 x 128 takes the short-row kernels; the others the one-row ones (and, with more than one
-  // row, fp16's weight and bias prepared as fp32 once per call, which a one-row call skips).
+  // row, fp16's weight and bias prepared as fp32 once per call, which a one-row call skips;
+  // every shape here is under the 4 MiB up to which the backend prepares them).
   for (const Shape s :
        {Shape{9, 128}, Shape{7, 1000}, Shape{5, 4099}, Shape{4, 8195}, Shape{3, 100003}}) {
     SCOPED_TRACE(::testing::Message() << s.rows << " x " << s.cols << ", " << dtype_str(dtype()));
