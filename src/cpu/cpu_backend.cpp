@@ -269,13 +269,19 @@ bool stream_output(const Matrix& out) {
   if (stream_override() == nullptr && row_bytes < kMinStreamRowBytes) return false;
   return large;
 }
-// The backward's dx: streamed as stream_output says for fp32 rows only. Half-precision dx
-// rows went out faster through ordinary stores at every size measured (AVX2, see
-// docs/PERFORMANCE.md, "seventh session"). FUSEDNORM_STREAM_MIN_BYTES, when set, still
-// decides alone, so the tests keep running the streamed half kernels through this path.
+// The backward's dx: streamed as stream_output says for fp32 rows, and for bf16 rows where
+// one bf16 pair store is a whole 64-byte line (AVX3). fp16 dx rows, and bf16 ones on
+// narrower targets, went out faster or no slower through ordinary stores (AVX2, Zen 3:
+// docs/PERFORMANCE.md, "seventh session"; Zen 4, twenty-fifth session: AVX3 bf16 streamed /
+// ordinary geomean 0.89 over 36 pairs, AVX2 0.97 over 18, within the noise; fp16 streamed
+// 1.1-1.8 slower on AVX3). FUSEDNORM_STREAM_MIN_BYTES, when set, still decides alone, so the
+// tests keep running the streamed half kernels through this path.
 bool stream_backward_dx(const Matrix& dx) {
-  if (stream_override() == nullptr && dx.dtype != DType::kFloat32) {
-    prepare_large_output(dx);  // its pages; half dx takes ordinary stores either way
+  const bool streams_whole_lines =
+      dx.dtype == DType::kFloat32 ||
+      (dx.dtype == DType::kBFloat16 && row_kernels().float_vector_bytes >= 64);
+  if (stream_override() == nullptr && !streams_whole_lines) {
+    prepare_large_output(dx);  // its pages; this dx takes ordinary stores either way
     return false;
   }
   return stream_output(dx);
