@@ -277,10 +277,10 @@ bool stream_output(const Matrix& out) {
 // 1.1-1.8 slower on AVX3). FUSEDNORM_STREAM_MIN_BYTES, when set, still decides alone, so the
 // tests keep running the streamed half kernels through this path.
 bool stream_backward_dx(const Matrix& dx) {
-  const bool streams_whole_lines =
+  const bool streaming_paid =
       dx.dtype == DType::kFloat32 ||
       (dx.dtype == DType::kBFloat16 && row_kernels().float_vector_bytes >= 64);
-  if (stream_override() == nullptr && !streams_whole_lines) {
+  if (stream_override() == nullptr && !streaming_paid) {
     prepare_large_output(dx);  // its pages; this dx takes ordinary stores either way
     return false;
   }
