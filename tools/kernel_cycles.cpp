@@ -7,6 +7,11 @@
 //     normalize_amax (prepared weight) with its weight and output placed at chosen byte
 //     offsets (mod 4096) from the row: a store whose address matches a later load's in its
 //     low 12 bits can delay that load ("4K aliasing"), so where the staged y sits matters.
+//   fusednorm-kernel-cycles [D] --short-rows
+//     the short-row RMSNorm kernel (rms_rows: RMSNorm of a block of rows, the forward's path
+//     for D <= kMaxShortRow) on 64 rows that stay in L1 / L2, fp32 / fp16 / bf16, with the
+//     weight in the row's dtype, in fp32 and without one: ns and cycles per row, and bytes
+//     per cycle (x read + y written), the compute side of fusednorm-bench's short-row figures.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -60,8 +65,8 @@ double measured_ghz() {
 void report_placement(std::int64_t n, double ghz) {
   const fusednorm::cpu::QuantKernels& qk = fusednorm::cpu::quant_kernels();
   constexpr std::size_t kPage = 4096;
-  const std::size_t region = (static_cast<std::size_t>(n) * sizeof(float) + kPage - 1) / kPage *
-                                 kPage + kPage;
+  const std::size_t region =
+      (static_cast<std::size_t>(n) * sizeof(float) + kPage - 1) / kPage * kPage + kPage;
   std::vector<unsigned char> storage(3 * region + kPage);
   const auto base = (reinterpret_cast<std::uintptr_t>(storage.data()) + kPage - 1) / kPage * kPage;
   float* const x = reinterpret_cast<float*>(base);
@@ -75,15 +80,77 @@ void report_placement(std::int64_t n, double ghz) {
         [&] { sink = sink + qk.normalize_amax_prepared[0](x, w, y, n, 0.9f, 0.0f, nullptr).amax; },
         n);
   };
-  const std::size_t offsets[] = {0,   16,  32,  48,  64,   96,   128,  192,  256,  384,
+  const std::size_t offsets[] = {0,   16,  32,   48,   64,   96,   128,  192,  256,  384,
                                  512, 768, 1024, 2048, 3072, 3584, 3840, 3968, 4032, 4080};
-  std::printf("\nnormalize_amax (prepared weight), ns / element (cycles / 8 elements); offsets in\n"
-              "bytes after x, mod 4096\n\n| offset | y at offset, w at 2048 | w at offset, y at "
-              "2048 |\n|---:|---:|---:|\n");
+  std::printf(
+      "\nnormalize_amax (prepared weight), ns / element (cycles / 8 elements); offsets in\n"
+      "bytes after x, mod 4096\n\n| offset | y at offset, w at 2048 | w at offset, y at "
+      "2048 |\n|---:|---:|---:|\n");
   for (const std::size_t offset : offsets) {
     const double y_moved = time_at(2048, offset), w_moved = time_at(offset, 2048);
     std::printf("| %zu | %.3f (%.2f) | %.3f (%.2f) |\n", offset, y_moved, y_moved * ghz * 8,
                 w_moved, w_moved * ghz * 8);
+  }
+}
+
+// rms_rows on 64 contiguous rows of n elements of each dtype (x, y and the weight in it).
+void report_short_rows(std::int64_t n, double ghz) {
+  namespace cpu = fusednorm::cpu;
+  constexpr std::int64_t kRows = 64;
+  const char* names[3] = {"fp32", "fp16", "bf16"};
+  const std::size_t sizes[3] = {4, 2, 2};
+  std::printf(
+      "\nrms_rows (RMSNorm of a block of %lld rows), D = %lld\n\n"
+      "| dtype | weight | ns / row | cycles / row | bytes / cycle (x + y) |\n"
+      "|---|---|---:|---:|---:|\n",
+      static_cast<long long>(kRows), static_cast<long long>(n));
+  for (int t = 0; t < 3; ++t) {
+    const cpu::DTypeKernels& k = cpu::row_kernels().by_dtype[t];
+    const std::size_t bytes = static_cast<std::size_t>(kRows * n) * sizes[t];
+    // Finite values near 1 in each dtype (a small ramp above fp16 0x3c00, bf16 0x3f80, fp32
+    // 1.0f): the kernels' time does not depend on finite values.
+    std::vector<unsigned char> x(bytes), y(bytes), w(static_cast<std::size_t>(n) * sizes[t]);
+    auto fill = [&](std::vector<unsigned char>& v) {
+      for (std::size_t i = 0; i < v.size(); i += sizes[t]) {
+        if (t == 0) {
+          const float one = 1.0f + static_cast<float>(i % 97) * 0.001f;
+          std::memcpy(&v[i], &one, 4);
+        }
+        if (t == 1) {
+          const std::uint16_t h = 0x3c00 + (i % 97);
+          std::memcpy(&v[i], &h, 2);
+        }
+        if (t == 2) {
+          const std::uint16_t b = 0x3f80 + (i % 97);
+          std::memcpy(&v[i], &b, 2);
+        }
+      }
+    };
+    fill(x);
+    fill(w);
+    cpu::RmsRows rows{};
+    rows.x = x.data();
+    rows.x_stride = n;
+    rows.y = y.data();
+    rows.y_stride = n;
+    rows.eps = 1e-6f;
+    rows.rows = kRows;
+    rows.n = n;
+    const std::vector<float> w32(static_cast<std::size_t>(n), 1.01f);
+    const struct {
+      const char* name;
+      cpu::ParamType type;
+      const void* data;
+    } weights[3] = {{"row dtype", cpu::kElementParam, w.data()},
+                    {"fp32", cpu::kFloat32Param, w32.data()},
+                    {"none", cpu::kNoParam, nullptr}};
+    for (const auto& weight : weights) {
+      rows.w = weight.data;
+      // ns_per_element over kRows "elements": ns per row.
+      const double ns = ns_per_element([&] { k.rms_rows[0][weight.type][0](rows); }, kRows);
+      std::printf("| %s | %s | %.2f | %.1f | %.1f |\n", names[t], weight.name, ns, ns * ghz,
+                  static_cast<double>(2 * n * sizes[t]) / (ns * ghz));
+    }
   }
 }
 
@@ -92,7 +159,9 @@ void report_placement(std::int64_t n, double ghz) {
 int main(int argc, char** argv) {
   using namespace fusednorm;
   const bool placement = argc > 1 && std::strcmp(argv[argc - 1], "--placement") == 0;
-  const std::int64_t n = argc > (placement ? 2 : 1) ? std::atoll(argv[1]) : 4096;
+  const bool short_rows = argc > 1 && std::strcmp(argv[argc - 1], "--short-rows") == 0;
+  const bool mode = placement || short_rows;
+  const std::int64_t n = argc > (mode ? 2 : 1) ? std::atoll(argv[1]) : 4096;
   if (n <= 0) {
     std::fprintf(stderr, "fusednorm-kernel-cycles: D must be > 0\n");
     return 1;
@@ -116,15 +185,14 @@ int main(int argc, char** argv) {
   };
   report("sum_squares",
          ns_per_element([&] { sink = sink + f32.sum_squares[0](x.data(), n, 0.0f); }, n));
-  report("normalize_amax (prepared weight)",
-         ns_per_element(
-             [&] {
-               sink =
-                   sink +
-                   qk.normalize_amax_prepared[0](x.data(), w.data(), y.data(), n, rstd, 0.0f,
-                                                 nullptr).amax;
-             },
-             n));
+  report("normalize_amax (prepared weight)", ns_per_element(
+                                                 [&] {
+                                                   sink = sink + qk.normalize_amax_prepared[0](
+                                                                       x.data(), w.data(), y.data(),
+                                                                       n, rstd, 0.0f, nullptr)
+                                                                     .amax;
+                                                 },
+                                                 n));
   const char* q_names[2] = {"int8", "e4m3"};
   for (int qi = 0; qi < 2; ++qi) {
     char name[96];
@@ -142,5 +210,6 @@ int main(int argc, char** argv) {
                      n));
   }
   if (placement) report_placement(n, ghz);
+  if (short_rows) report_short_rows(n, ghz);
   return 0;
 }
