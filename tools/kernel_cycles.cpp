@@ -11,7 +11,8 @@
 //     the short-row RMSNorm kernel (rms_rows: RMSNorm of a block of rows, the forward's path
 //     for D <= kMaxShortRow) on 64 rows that stay in L1 / L2, fp32 / fp16 / bf16, with the
 //     weight in the row's dtype, in fp32 and without one: ns and cycles per row, and bytes
-//     per cycle (x read + y written), the compute side of fusednorm-bench's short-row figures.
+//     per cycle (x read + y written), the compute side of fusednorm-bench's short-row figures;
+//     and the fused add (rms_rows with a residual).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -93,6 +94,11 @@ void report_placement(std::int64_t n, double ghz) {
   }
 }
 
+struct Span {
+  unsigned char* data;
+  std::size_t size;
+};
+
 // rms_rows on 64 contiguous rows of n elements of each dtype (x, y and the weight in it).
 void report_short_rows(std::int64_t n, double ghz) {
   namespace cpu = fusednorm::cpu;
@@ -109,29 +115,40 @@ void report_short_rows(std::int64_t n, double ghz) {
     const std::size_t bytes = static_cast<std::size_t>(kRows * n) * sizes[t];
     // Finite values near 1 in each dtype (a small ramp above fp16 0x3c00, bf16 0x3f80, fp32
     // 1.0f): the kernels' time does not depend on finite values.
-    std::vector<unsigned char> x(bytes), y(bytes), w(static_cast<std::size_t>(n) * sizes[t]);
-    auto fill = [&](std::vector<unsigned char>& v) {
-      for (std::size_t i = 0; i < v.size(); i += sizes[t]) {
+    // x, y, w and the residual in one page-aligned region each, y 2048 bytes and w and the
+    // residual 1024 and 3072 bytes further (mod 4096) than x: a store to y at the low 12
+    // address bits of a later load from x ("4K aliasing") would delay that load, and where
+    // separate allocations happen to land decides it (fp32 and fp16 y had landed 16 bytes
+    // after x here). The backend writes short rows to a staging buffer on its stack.
+    const std::size_t row_bytes = static_cast<std::size_t>(n) * sizes[t];
+    const std::size_t region = (bytes + 4096 - 1) / 4096 * 4096 + 4096;
+    std::vector<unsigned char> storage(4 * region + 4096);
+    unsigned char* const base =
+        storage.data() + (4096 - reinterpret_cast<std::uintptr_t>(storage.data()) % 4096) % 4096;
+    const Span x{base, bytes}, y{base + region + 2048, bytes},
+        w{base + 2 * region + 1024, row_bytes}, residual{base + 3 * region + 3072, bytes};
+    auto fill = [&](const Span& v) {
+      for (std::size_t i = 0; i < v.size; i += sizes[t]) {
         if (t == 0) {
           const float one = 1.0f + static_cast<float>(i % 97) * 0.001f;
-          std::memcpy(&v[i], &one, 4);
+          std::memcpy(v.data + i, &one, 4);
         }
         if (t == 1) {
           const std::uint16_t h = 0x3c00 + (i % 97);
-          std::memcpy(&v[i], &h, 2);
+          std::memcpy(v.data + i, &h, 2);
         }
         if (t == 2) {
           const std::uint16_t b = 0x3f80 + (i % 97);
-          std::memcpy(&v[i], &b, 2);
+          std::memcpy(v.data + i, &b, 2);
         }
       }
     };
     fill(x);
     fill(w);
     cpu::RmsRows rows{};
-    rows.x = x.data();
+    rows.x = x.data;
     rows.x_stride = n;
-    rows.y = y.data();
+    rows.y = y.data;
     rows.y_stride = n;
     rows.eps = 1e-6f;
     rows.rows = kRows;
@@ -141,7 +158,7 @@ void report_short_rows(std::int64_t n, double ghz) {
       const char* name;
       cpu::ParamType type;
       const void* data;
-    } weights[3] = {{"row dtype", cpu::kElementParam, w.data()},
+    } weights[3] = {{"row dtype", cpu::kElementParam, w.data},
                     {"fp32", cpu::kFloat32Param, w32.data()},
                     {"none", cpu::kNoParam, nullptr}};
     for (const auto& weight : weights) {
@@ -151,6 +168,16 @@ void report_short_rows(std::int64_t n, double ghz) {
       std::printf("| %s | %s | %.2f | %.1f | %.1f |\n", names[t], weight.name, ns, ns * ghz,
                   static_cast<double>(2 * n * sizes[t]) / (ns * ghz));
     }
+    // The fused add (residual += x, then the norm of the stored residual), weight in the
+    // row's dtype; its bytes are x and the residual read, the residual and y written. The
+    // residual grows by x on every call, which stays finite over the calls timed here.
+    fill(residual);
+    rows.w = w.data;
+    rows.residual = residual.data;
+    rows.residual_stride = n;
+    const double ns = ns_per_element([&] { k.rms_rows[1][cpu::kElementParam][0](rows); }, kRows);
+    std::printf("| %s | row dtype, fused add | %.2f | %.1f | %.1f |\n", names[t], ns, ns * ghz,
+                static_cast<double>(4 * n * sizes[t]) / (ns * ghz));
   }
 }
 

@@ -515,9 +515,9 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
   // WriteRows takes was made of wide loads of just-stored parts (no store forwarding), once
   // per group.
   // Reloading the captures from L1 after each store costs less here: in L1, D = 128, one
-  // thread, fp16 67 -> 42 and bf16 66 -> 47 cycles per row (AVX3; AVX2 66 -> 50 and 81 -> 65;
-  // fp32 58 -> 62), and rms_norm 65536 x 128 from memory 0.86-0.88x the time in half precision
-  // (docs/PERFORMANCE.md, twenty-eighth session).
+  // thread, cycles per row fp32 55 -> 41, fp16 66 -> 43, bf16 64 -> 46 (AVX3; AVX2 57 -> 52,
+  // 66 -> 51, 80 -> 64), and rms_norm 65536 x 128 from memory 0.86-0.88x the time in half
+  // precision (docs/PERFORMANCE.md, twenty-eighth session).
   auto make = [&](auto full, int64_t i, size_t count) {
     const DF d;  // not captured: see WriteRows
     VF wv = hn::Zero(d);
