@@ -60,33 +60,49 @@ double measured_ghz() {
 #endif
 }
 
+// `count` regions of at least `bytes` each, every one starting on a page boundary and followed
+// by a page of slack, so that a buffer placed up to a page into its region stays inside it.
+class PageRegions {
+ public:
+  static constexpr std::size_t kPage = 4096;
+  PageRegions(std::size_t bytes, int count)
+      : region_((bytes + kPage - 1) / kPage * kPage + kPage),
+        storage_(static_cast<std::size_t>(count) * region_ + kPage),
+        base_(storage_.data() +
+              (kPage - reinterpret_cast<std::uintptr_t>(storage_.data()) % kPage) % kPage) {}
+  // The byte `offset` (< kPage) into region `index`.
+  unsigned char* at(int index, std::size_t offset) const {
+    return base_ + static_cast<std::size_t>(index) * region_ + offset;
+  }
+
+ private:
+  std::size_t region_;
+  std::vector<unsigned char> storage_;
+  unsigned char* base_;
+};
+
 // normalize_amax over x at a page boundary, w and y `w_offset` and `y_offset` bytes (mod
 // 4096) after x, in one table: y's offset varied with w's fixed half a page away, then w's
 // with y's fixed half a page away.
 void report_placement(std::int64_t n, double ghz) {
   const fusednorm::cpu::QuantKernels& qk = fusednorm::cpu::quant_kernels();
-  constexpr std::size_t kPage = 4096;
-  const std::size_t region =
-      (static_cast<std::size_t>(n) * sizeof(float) + kPage - 1) / kPage * kPage + kPage;
-  std::vector<unsigned char> storage(3 * region + kPage);
-  const auto base = (reinterpret_cast<std::uintptr_t>(storage.data()) + kPage - 1) / kPage * kPage;
-  float* const x = reinterpret_cast<float*>(base);
+  const PageRegions regions(static_cast<std::size_t>(n) * sizeof(float), 3);
+  float* const x = reinterpret_cast<float*>(regions.at(0, 0));
   for (std::int64_t j = 0; j < n; ++j) x[j] = static_cast<float>(j % 97) * 0.01f - 0.4f;
   volatile float sink = 0.0f;
   auto time_at = [&](std::size_t w_offset, std::size_t y_offset) {
-    float* const w = reinterpret_cast<float*>(base + region + w_offset);
-    float* const y = reinterpret_cast<float*>(base + 2 * region + y_offset);
+    float* const w = reinterpret_cast<float*>(regions.at(1, w_offset));
+    float* const y = reinterpret_cast<float*>(regions.at(2, y_offset));
     for (std::int64_t j = 0; j < n; ++j) w[j] = 1.01f;
     return ns_per_element(
         [&] { sink = sink + qk.normalize_amax_prepared[0](x, w, y, n, 0.9f, 0.0f, nullptr).amax; },
         n);
   };
-  const std::size_t offsets[] = {0,   16,  32,   48,   64,   96,   128,  192,  256,  384,
+  const std::size_t offsets[] = {0,   16,  32,  48,  64,   96,   128,  192,  256,  384,
                                  512, 768, 1024, 2048, 3072, 3584, 3840, 3968, 4032, 4080};
-  std::printf(
-      "\nnormalize_amax (prepared weight), ns / element (cycles / 8 elements); offsets in\n"
-      "bytes after x, mod 4096\n\n| offset | y at offset, w at 2048 | w at offset, y at "
-      "2048 |\n|---:|---:|---:|\n");
+  std::printf("\nnormalize_amax (prepared weight), ns / element (cycles / 8 elements); offsets in\n"
+              "bytes after x, mod 4096\n\n| offset | y at offset, w at 2048 | w at offset, y at "
+              "2048 |\n|---:|---:|---:|\n");
   for (const std::size_t offset : offsets) {
     const double y_moved = time_at(2048, offset), w_moved = time_at(offset, 2048);
     std::printf("| %zu | %.3f (%.2f) | %.3f (%.2f) |\n", offset, y_moved, y_moved * ghz * 8,
@@ -113,20 +129,17 @@ void report_short_rows(std::int64_t n, double ghz) {
   for (int t = 0; t < 3; ++t) {
     const cpu::DTypeKernels& k = cpu::row_kernels().by_dtype[t];
     const std::size_t bytes = static_cast<std::size_t>(kRows * n) * sizes[t];
-    // Finite values near 1 in each dtype (a small ramp above fp16 0x3c00, bf16 0x3f80, fp32
-    // 1.0f): the kernels' time does not depend on finite values.
-    // x, y, w and the residual in one page-aligned region each, y 2048 bytes and w and the
+    // x, y, w and the residual in a page-aligned region each, y 2048 bytes and w and the
     // residual 1024 and 3072 bytes further (mod 4096) than x: a store to y at the low 12
     // address bits of a later load from x ("4K aliasing") would delay that load, and where
     // separate allocations happen to land decides it (fp32 and fp16 y had landed 16 bytes
     // after x here). The backend writes short rows to a staging buffer on its stack.
     const std::size_t row_bytes = static_cast<std::size_t>(n) * sizes[t];
-    const std::size_t region = (bytes + 4096 - 1) / 4096 * 4096 + 4096;
-    std::vector<unsigned char> storage(4 * region + 4096);
-    unsigned char* const base =
-        storage.data() + (4096 - reinterpret_cast<std::uintptr_t>(storage.data()) % 4096) % 4096;
-    const Span x{base, bytes}, y{base + region + 2048, bytes},
-        w{base + 2 * region + 1024, row_bytes}, residual{base + 3 * region + 3072, bytes};
+    const PageRegions regions(bytes, 4);
+    const Span x{regions.at(0, 0), bytes}, y{regions.at(1, 2048), bytes},
+        w{regions.at(2, 1024), row_bytes}, residual{regions.at(3, 3072), bytes};
+    // Finite values near 1 in each dtype (a small ramp above fp16 0x3c00, bf16 0x3f80, fp32
+    // 1.0f): the kernels' time does not depend on finite values.
     auto fill = [&](const Span& v) {
       for (std::size_t i = 0; i < v.size; i += sizes[t]) {
         if (t == 0) {
@@ -212,14 +225,15 @@ int main(int argc, char** argv) {
   };
   report("sum_squares",
          ns_per_element([&] { sink = sink + f32.sum_squares[0](x.data(), n, 0.0f); }, n));
-  report("normalize_amax (prepared weight)", ns_per_element(
-                                                 [&] {
-                                                   sink = sink + qk.normalize_amax_prepared[0](
-                                                                       x.data(), w.data(), y.data(),
-                                                                       n, rstd, 0.0f, nullptr)
-                                                                     .amax;
-                                                 },
-                                                 n));
+  report("normalize_amax (prepared weight)",
+         ns_per_element(
+             [&] {
+               sink =
+                   sink +
+                   qk.normalize_amax_prepared[0](x.data(), w.data(), y.data(), n, rstd, 0.0f,
+                                                 nullptr).amax;
+             },
+             n));
   const char* q_names[2] = {"int8", "e4m3"};
   for (int qi = 0; qi < 2; ++qi) {
     char name[96];

@@ -513,8 +513,7 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
   // Captured by reference, unlike the one-row kernels' make (see WriteRows): a four-row
   // closure by value holds the rows' rstd vectors and pointers, and the copy of it that
   // WriteRows takes was made of wide loads of just-stored parts (no store forwarding), once
-  // per group.
-  // Reloading the captures from L1 after each store costs less here: in L1, D = 128, one
+  // per group. Reloading the captures from L1 after each store costs less here: in L1, D = 128, one
   // thread, cycles per row fp32 55 -> 41, fp16 66 -> 43, bf16 64 -> 46 (AVX3; AVX2 57 -> 52,
   // 66 -> 51, 80 -> 64), and rms_norm 65536 x 128 from memory 0.86-0.88x the time in half
   // precision (docs/PERFORMANCE.md, twenty-eighth session).
