@@ -598,8 +598,8 @@ class Bench {
     const cpu::QuantKernels& k = cpu::quant_kernels();
     const cpu::NormalizeAmaxFn to_float =
         k.normalize_amax[static_cast<int>(o_.dtype)][cpu::kNoParam];
-    const cpu::QuantizeFn quantize_any = k.quantize[cpu::quant_index(q_dtype)];
-    const cpu::QuantizeFn quantize_in_range = k.quantize_in_range[cpu::quant_index(q_dtype)];
+    const cpu::QuantizeFn quantize_any = k.quantize[0][cpu::quant_index(q_dtype)];
+    const cpu::QuantizeFn quantize_in_range = k.quantize_in_range[0][cpu::quant_index(q_dtype)];
     const std::size_t esize = dtype_size(o_.dtype);
     const std::int64_t rows = o_.rows, cols = o_.dim;
     std::vector<float> staging(static_cast<std::size_t>(threads_ * cols));

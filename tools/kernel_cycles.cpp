@@ -1,6 +1,7 @@
 // fusednorm-kernel-cycles: the per-row CPU kernels of the quantized norm and the sums they
-// start from, each timed alone on one row that stays in L1 (one thread), in ns per element
-// and in cycles per 8 elements at the clock a chain of dependent adds measures. What a pass
+// start from, each timed alone on one row that stays in L1 (one thread), for fp32, fp16 and
+// bf16 rows, in ns per element and in cycles per 8 elements at the clock a chain of
+// dependent adds measures. What a pass
 // costs in compute, apart from memory: fusednorm-bench times the operators end to end.
 //   fusednorm-kernel-cycles [D]    (default D = 4096; FUSEDNORM_CPU_TARGET picks the target)
 //   fusednorm-kernel-cycles [D] --placement
@@ -15,6 +16,7 @@
 //     and the fused add (rms_rows with a residual).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -98,11 +100,12 @@ void report_placement(std::int64_t n, double ghz) {
         [&] { sink = sink + qk.normalize_amax_prepared[0](x, w, y, n, 0.9f, 0.0f, nullptr).amax; },
         n);
   };
-  const std::size_t offsets[] = {0,   16,  32,  48,  64,   96,   128,  192,  256,  384,
+  const std::size_t offsets[] = {0,   16,  32,   48,   64,   96,   128,  192,  256,  384,
                                  512, 768, 1024, 2048, 3072, 3584, 3840, 3968, 4032, 4080};
-  std::printf("\nnormalize_amax (prepared weight), ns / element (cycles / 8 elements); offsets in\n"
-              "bytes after x, mod 4096\n\n| offset | y at offset, w at 2048 | w at offset, y at "
-              "2048 |\n|---:|---:|---:|\n");
+  std::printf(
+      "\nnormalize_amax (prepared weight), ns / element (cycles / 8 elements); offsets in\n"
+      "bytes after x, mod 4096\n\n| offset | y at offset, w at 2048 | w at offset, y at "
+      "2048 |\n|---:|---:|---:|\n");
   for (const std::size_t offset : offsets) {
     const double y_moved = time_at(2048, offset), w_moved = time_at(offset, 2048);
     std::printf("| %zu | %.3f (%.2f) | %.3f (%.2f) |\n", offset, y_moved, y_moved * ghz * 8,
@@ -194,6 +197,25 @@ void report_short_rows(std::int64_t n, double ghz) {
   }
 }
 
+// The fp16 / bf16 bits of a float, rounded to nearest even (finite, normal values only: the
+// table's rows).
+std::uint16_t half_bits(float f) {
+  std::uint32_t b;
+  std::memcpy(&b, &f, 4);
+  const std::uint32_t sign = (b >> 16) & 0x8000;
+  const float a = std::fabs(f);
+  if (a < 6.103515625e-05f) return static_cast<std::uint16_t>(sign);  // below fp16's normals
+  std::uint32_t m;
+  std::memcpy(&m, &a, 4);
+  // Rebias the exponent (127 -> 15) and round the 23-bit mantissa to 10 bits, ties to even.
+  const std::uint32_t rounded = m + 0xfff + ((m >> 13) & 1);
+  return static_cast<std::uint16_t>(sign | ((rounded - (112u << 23)) >> 13));
+}
+std::uint16_t bfloat16_bits(float f) {
+  std::uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<std::uint16_t>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -207,48 +229,59 @@ int main(int argc, char** argv) {
     return 1;
   }
   const cpu::QuantKernels& qk = cpu::quant_kernels();
-  const cpu::DTypeKernels& f32 = cpu::row_kernels().by_dtype[static_cast<int>(DType::kFloat32)];
   // Values inside int8's and E4M3's ranges after the 3x scaling below, so that every
-  // quantizer takes its ordinary path.
+  // quantizer takes its ordinary path; the rows in each dtype hold the same values, rounded.
   std::vector<float> x(n), w(n, 1.01f), y(n);
+  std::vector<std::uint16_t> x_f16(n), x_bf16(n);
+  for (std::int64_t j = 0; j < n; ++j) {
+    x[j] = static_cast<float>(j % 97) * 0.01f - 0.4f;
+    x_f16[j] = half_bits(x[j]);
+    x_bf16[j] = bfloat16_bits(x[j]);
+  }
+  const void* const rows_of[3] = {x.data(), x_f16.data(), x_bf16.data()};
   std::vector<std::uint8_t> q(n);
-  for (std::int64_t j = 0; j < n; ++j) x[j] = static_cast<float>(j % 97) * 0.01f - 0.4f;
   const float rstd = 0.9f, inv_scale = 3.0f;
   volatile float sink = 0.0f;
   const double ghz = measured_ghz();
-  std::printf("fusednorm-kernel-cycles: fp32 rows, D = %lld, one thread, in L1; CPU SIMD target %s",
+  std::printf("fusednorm-kernel-cycles: D = %lld, one thread, in L1; CPU SIMD target %s",
               static_cast<long long>(n), qk.target_name);
   if (ghz > 0) std::printf("; clock %.2f GHz (dependent adds)", ghz);
-  std::printf("\n\n| kernel | ns / element | cycles / 8 elements |\n|---|---:|---:|\n");
-  auto report = [&](const char* name, double ns) {
-    std::printf("| %s | %.3f | %.2f |\n", name, ns, ns * ghz * 8);
+  std::printf(
+      "\n\ncycles per 8 elements (ns per element) by the rows' dtype; the quantizers read "
+      "the staged fp32 y, whatever the rows' dtype\n\n| kernel | fp32 | fp16 | bf16 |\n"
+      "|---|---:|---:|---:|\n");
+  // One row of the table: fn(t) times the kernel for rows of dtype t (0 fp32, 1 fp16, 2 bf16);
+  // per_dtype false: one kernel for all (timed once, shown in every column).
+  auto report = [&](const char* name, bool per_dtype, auto fn) {
+    std::printf("| %s |", name);
+    const double shared = per_dtype ? 0.0 : ns_per_element([&] { fn(0); }, n);
+    for (int t = 0; t < 3; ++t) {
+      const double ns = per_dtype ? ns_per_element([&] { fn(t); }, n) : shared;
+      std::printf(" %.2f (%.3f) |", ns * ghz * 8, ns);
+    }
+    std::printf("\n");
   };
-  report("sum_squares",
-         ns_per_element([&] { sink = sink + f32.sum_squares[0](x.data(), n, 0.0f); }, n));
-  report("normalize_amax (prepared weight)",
-         ns_per_element(
-             [&] {
-               sink =
-                   sink +
-                   qk.normalize_amax_prepared[0](x.data(), w.data(), y.data(), n, rstd, 0.0f,
-                                                 nullptr).amax;
-             },
-             n));
+  report("sum_squares", true, [&](int t) {
+    sink = sink + cpu::row_kernels().by_dtype[t].sum_squares[0](rows_of[t], n, 0.0f);
+  });
+  report("normalize_amax (prepared weight)", true, [&](int t) {
+    sink =
+        sink +
+        qk.normalize_amax_prepared[t](rows_of[t], w.data(), y.data(), n, rstd, 0.0f, nullptr).amax;
+  });
   const char* q_names[2] = {"int8", "e4m3"};
   for (int qi = 0; qi < 2; ++qi) {
     char name[96];
     std::snprintf(name, sizeof name, "quantize %s", q_names[qi]);
-    report(name, ns_per_element([&] { qk.quantize[qi](y.data(), q.data(), n, inv_scale); }, n));
+    report(name, false, [&](int) { qk.quantize[0][qi](y.data(), q.data(), n, inv_scale); });
     std::snprintf(name, sizeof name, "quantize_in_range %s", q_names[qi]);
-    report(name,
-           ns_per_element([&] { qk.quantize_in_range[qi](y.data(), q.data(), n, inv_scale); }, n));
+    report(name, false,
+           [&](int) { qk.quantize_in_range[0][qi](y.data(), q.data(), n, inv_scale); });
     std::snprintf(name, sizeof name, "normalize_quantize %s (prepared weight)", q_names[qi]);
-    report(name, ns_per_element(
-                     [&] {
-                       qk.normalize_quantize[0][1][qi](x.data(), w.data(), q.data(), n, rstd,
-                                                       inv_scale, nullptr);
-                     },
-                     n));
+    report(name, true, [&](int t) {
+      qk.normalize_quantize[0][t][1][qi](rows_of[t], w.data(), q.data(), n, rstd, inv_scale,
+                                         nullptr);
+    });
   }
   if (placement) report_placement(n, ghz);
   if (short_rows) report_short_rows(n, ghz);

@@ -700,17 +700,21 @@ std::size_t forward_bytes(const ForwardProblem& p) {
 // (normalize_quantize; with a weight, when it is prepared as fp32, else steps 2 and 3 piece
 // by piece). Staging y instead of recomputing it for step 3 cost fewer instructions
 // (callgrind, bf16 64 x 4096, bf16 weight, the benchmark's 4 modes: 22.8 M -> 20.9 M).
-// A large q (prepare_large_output's threshold) is quantized into a second L1 buffer and copied
-// out with non-temporal stores (stream_copy), which skip reading each line of q before
-// overwriting it: ordinary stores would add q's size again to the memory traffic.
+// A large q (prepare_large_output's threshold) goes out with non-temporal stores straight from
+// the quantizing kernels (their streamed kind), which skip reading each line of q before
+// overwriting it: ordinary stores would add q's size again to the memory traffic. (Quantized
+// into an L1 buffer and copied out by stream_copy instead, the copy's stores waited on the
+// write-combining buffers with no work beside them: docs/PERFORMANCE.md, twenty-ninth
+// session.)
 constexpr std::int64_t kQuantStagingFloats = 8192;  // 32 KiB: D = 8192 in one piece
 
 void forward_quantized(const ForwardProblem& p, int num_threads) {
   const DType dtype = p.x.dtype;
   const std::size_t esize = dtype_size(dtype);
   const QuantKernels& qk = quant_kernels();
-  const QuantizeFn quantize_any = qk.quantize[quant_index(p.q.dtype)];
-  const QuantizeFn quantize_in_range = qk.quantize_in_range[quant_index(p.q.dtype)];
+  const bool stream = prepare_large_output(p.q);
+  const QuantizeFn quantize_any = qk.quantize[stream][quant_index(p.q.dtype)];
+  const QuantizeFn quantize_in_range = qk.quantize_in_range[stream][quant_index(p.q.dtype)];
   const std::int64_t cols = p.cols();
   const float w_offset = kernel_weight_offset(p.weight_offset);
   // The weight as fp32 (w + w_offset), once per call (free for an fp32 weight without
@@ -734,14 +738,12 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
   const NormalizeQuantizeFn normalize_quantize =
       !dynamic && (weight == nullptr || prepare) && std::isfinite(static_inv_scale) &&
               (weight == nullptr || qk.all_finite(static_cast<const float*>(weight), cols))
-          ? qk.normalize_quantize[static_cast<int>(dtype)][weight != nullptr]
+          ? qk.normalize_quantize[stream][static_cast<int>(dtype)][weight != nullptr]
                                  [quant_index(p.q.dtype)]
           : nullptr;
   const auto elements = static_cast<std::size_t>(p.rows() * cols);
   const std::size_t bytes = elements * (esize * (p.has_residual() ? 3 : 1) + 1);
   const ThreadPlan plan = plan_threads(p.rows(), cols, bytes, num_threads);
-  const bool stream = prepare_large_output(p.q);
-  const StreamCopyFn stream_copy = row_kernels().stream_copy;
   // The fused add reads its rows in pairs (ForwardRows::first_stat_pair), for a large q: its
   // step 1 is two streams (x and residual) read and one written, with nothing fetched ahead.
   // Pairs against one row, 16384 x 4096 and 2048 x 8192, 2 threads, AVX3, Intel VM, 4 rounds:
@@ -759,7 +761,6 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
       stream && !p.has_residual() && fetches_ahead(static_cast<std::size_t>(group * cols) * esize);
   auto finish_row = [&](std::int64_t r, float sum_squares) {
     alignas(64) float y[kQuantStagingFloats];
-    alignas(64) unsigned char q_staging[kStagingBytes];
     const float rstd = rstd_from_mean_square(sum_squares / static_cast<float>(cols), p.eps);
     const void* source = reader.source_row(r);
     // Rows are this thread's in order (parallel_for's static schedule), `group` per task.
@@ -772,25 +773,11 @@ void forward_quantized(const ForwardProblem& p, int num_threads) {
     unsigned char* q_row = static_cast<unsigned char*>(p.q.data) + r * p.q.row_stride;
     QuantizeFn quantize = quantize_any;
     auto quantize_piece = [&](std::int64_t begin, std::int64_t n, float inv_scale) {
-      // q goes out through q_staging (streamed) kStagingBytes at a time.
-      for (std::int64_t done = 0; done < n;) {
-        const std::int64_t count =
-            stream ? std::min<std::int64_t>(n - done, kStagingBytes) : n - done;
-        quantize(y + done, stream ? q_staging : q_row + begin + done, count, inv_scale);
-        if (stream) stream_copy(q_row + begin + done, q_staging, count, nullptr, 0);
-        done += count;
-      }
+      quantize(y, q_row + begin, n, inv_scale);
     };
     if (normalize_quantize != nullptr && std::isfinite(sum_squares) && std::isfinite(rstd)) {
       // Static scale, no weight or a prepared one, no NaN: q straight from the row.
-      for (std::int64_t begin = 0; begin < cols;) {
-        const std::int64_t n = stream ? std::min<std::int64_t>(cols - begin, kStagingBytes) : cols;
-        const void* w = weight == nullptr ? nullptr : advance(weight, begin, w_esize);
-        normalize_quantize(advance(source, begin, esize), w, stream ? q_staging : q_row + begin, n,
-                           rstd, static_inv_scale, ahead_at(ahead, begin, esize));
-        if (stream) stream_copy(q_row + begin, q_staging, n, nullptr, 0);
-        begin += n;
-      }
+      normalize_quantize(source, weight, q_row, cols, rstd, static_inv_scale, ahead);
       return;
     }
     const bool one_piece = cols <= kQuantStagingFloats;

@@ -1,8 +1,9 @@
 // Highway implementation of quant_kernels.h, compiled once per SIMD target through
 // foreach_target.h. Few instantiations on purpose (compile time): per target, one
 // NormalizeAmax per (rows dtype, weight type) pair (8) and per rows dtype with a prepared
-// weight (3), one quantizer per q dtype (2), and one static-scale NormalizeQuantize per
-// (rows dtype, no / prepared weight, q dtype) (12).
+// weight (3), two quantizers (any values / in range) per q dtype and store kind (ordinary /
+// streamed) (8), and one static-scale NormalizeQuantize per (store kind, rows dtype, no /
+// prepared weight, q dtype) (24).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/quant_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -218,25 +219,49 @@ HWY_INLINE void StoreBytes(VI v, uint8_t* p) {
 // in L1, quantize int8 2.35 -> 1.75 cycles per 8 elements, e4m3 6.15 -> 5.1
 // (fusednorm-kernel-cycles; docs/PERFORMANCE.md, fourteenth session). Other targets store
 // vector by vector.
-template <bool kFp8>
+// kStream: a non-temporal store, p aligned to the 4 vectors' bytes (16, 32 or 64; targets
+// without packs store ordinarily: kStreamsBytes4).
+#undef FUSEDNORM_QUANT_PACKS
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET <= HWY_AVX3 || HWY_TARGET == HWY_SSE4 || \
+    HWY_TARGET == HWY_SSSE3
+#define FUSEDNORM_QUANT_PACKS 1
+#else
+#define FUSEDNORM_QUANT_PACKS 0
+#endif
+constexpr bool kStreamsBytes4 = FUSEDNORM_QUANT_PACKS;
+template <bool kFp8, bool kStream = false>
 HWY_INLINE void StoreBytes4(VI a, VI b, VI c, VI d, uint8_t* p) {
 #if HWY_TARGET == HWY_AVX2
   const __m256i ab = _mm256_packs_epi32(a.raw, b.raw);
   const __m256i cd = _mm256_packs_epi32(c.raw, d.raw);
   const __m256i bytes = kFp8 ? _mm256_packus_epi16(ab, cd) : _mm256_packs_epi16(ab, cd);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permutevar8x32_epi32(bytes, order));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, order);
+  if constexpr (kStream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), ordered);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), ordered);
+  }
 #elif HWY_TARGET <= HWY_AVX3
   const __m512i ab = _mm512_packs_epi32(a.raw, b.raw);
   const __m512i cd = _mm512_packs_epi32(c.raw, d.raw);
   const __m512i bytes = kFp8 ? _mm512_packus_epi16(ab, cd) : _mm512_packs_epi16(ab, cd);
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  _mm512_storeu_si512(p, _mm512_permutexvar_epi32(order, bytes));
+  const __m512i ordered = _mm512_permutexvar_epi32(order, bytes);
+  if constexpr (kStream) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), ordered);
+  } else {
+    _mm512_storeu_si512(p, ordered);
+  }
 #elif HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_SSSE3
   const __m128i ab = _mm_packs_epi32(a.raw, b.raw);
   const __m128i cd = _mm_packs_epi32(c.raw, d.raw);
   const __m128i bytes = kFp8 ? _mm_packus_epi16(ab, cd) : _mm_packs_epi16(ab, cd);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bytes);
+  if constexpr (kStream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), bytes);
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bytes);
+  }
 #else
   const size_t N = hn::Lanes(DF());
   StoreBytes<kFp8>(a, p);
@@ -246,7 +271,25 @@ HWY_INLINE void StoreBytes4(VI a, VI b, VI c, VI d, uint8_t* p) {
 #endif
 }
 
-template <bool kFp8, QuantRange kRange>
+// The whole 64-byte lines of n bytes at q, as byte offsets [first, last) (empty: first ==
+// last). Streamed kernels write those with non-temporal stores and the partial lines at the
+// ends (shared with the neighbouring rows) with ordinary ones: a line written partly each
+// way is flushed half-empty (row_kernels-inl.h's WriteRows streams whole lines only too).
+struct WholeLines {
+  int64_t first, last;
+};
+HWY_INLINE WholeLines WholeLinesOf(const uint8_t* q, int64_t n) {
+  constexpr int64_t kLine = 64;
+  const auto first = static_cast<int64_t>((kLine - reinterpret_cast<uintptr_t>(q) % kLine) % kLine);
+  if (first + kLine > n) return {0, 0};
+  return {first, first + (n - first) / kLine * kLine};
+}
+
+// kStream: q goes out with non-temporal stores (whole lines), which skip reading each line of
+// q before overwriting it, straight from the quantizer: quantizing into an L1 buffer and
+// copying that out with non-temporal stores (as the forward's short rows do) made the copy a
+// loop of stores that waited on the write-combining buffers with nothing to overlap them.
+template <bool kFp8, QuantRange kRange, bool kStream>
 void QuantizeFloats(const float* y, void* q_ptr, int64_t n, float inv_scale) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
@@ -255,6 +298,19 @@ void QuantizeFloats(const float* y, void* q_ptr, int64_t n, float inv_scale) {
   auto quantized = [&](int64_t i) {
     return Quantize<kFp8, kRange>(df, hn::Mul(hn::LoadU(df, y + i), vinv));
   };
+  if constexpr (kStream && kStreamsBytes4) {
+    const WholeLines lines = WholeLinesOf(q, n);
+    if (lines.first < lines.last) {
+      QuantizeFloats<kFp8, kRange, false>(y, q, lines.first, inv_scale);
+      for (int64_t i = lines.first; i < lines.last; i += 4 * N) {
+        StoreBytes4<kFp8, true>(quantized(i), quantized(i + N), quantized(i + 2 * N),
+                                quantized(i + 3 * N), q + i);
+      }
+      QuantizeFloats<kFp8, kRange, false>(y + lines.last, q + lines.last, n - lines.last,
+                                          inv_scale);
+      return;
+    }
+  }
   int64_t i = 0;
   for (; i + 4 * N <= n; i += 4 * N) {
     StoreBytes4<kFp8>(quantized(i), quantized(i + N), quantized(i + 2 * N), quantized(i + 3 * N),
@@ -283,7 +339,7 @@ HWY_INLINE VI QuantizedElements(DF df, const T* x, const void* w, int64_t i, VF 
   return Quantize<kFp8, QuantRange::kNoNaN>(df, hn::Mul(y, vinv));
 }
 
-template <typename T, typename W, bool kFp8>
+template <typename T, typename W, bool kFp8, bool kStream>
 void NormalizeQuantize(const void* x_ptr, const void* w, void* q_ptr, int64_t n, float rstd,
                        float inv_scale, const void* ahead_ptr) {
   const DF df;
@@ -292,6 +348,25 @@ void NormalizeQuantize(const void* x_ptr, const void* w, void* q_ptr, int64_t n,
   const T* ahead = prefetch_row<T>(ahead_ptr, x_ptr);
   auto* q = static_cast<uint8_t*>(q_ptr);
   const VF vrstd = hn::Set(df, rstd), vinv = hn::Set(df, inv_scale);
+  if constexpr (kStream && kStreamsBytes4) {
+    const WholeLines lines = WholeLinesOf(q, n);
+    if (lines.first < lines.last) {
+      // (The weight pointer is not advanced: w + i indexes it from the row's start.)
+      NormalizeQuantize<T, W, kFp8, false>(x, w, q, lines.first, rstd, inv_scale, ahead);
+      for (int64_t i = lines.first; i < lines.last; i += 4 * N) {
+        for (int64_t v = 0; v < 4; ++v) prefetch_line_to_l2(ahead + i + v * N);
+        StoreBytes4<kFp8, true>(QuantizedElements<T, W, kFp8>(df, x, w, i, vrstd, vinv),
+                                QuantizedElements<T, W, kFp8>(df, x, w, i + N, vrstd, vinv),
+                                QuantizedElements<T, W, kFp8>(df, x, w, i + 2 * N, vrstd, vinv),
+                                QuantizedElements<T, W, kFp8>(df, x, w, i + 3 * N, vrstd, vinv),
+                                q + i);
+      }
+      const void* w_tail = w == nullptr ? nullptr : static_cast<const float*>(w) + lines.last;
+      NormalizeQuantize<T, W, kFp8, false>(x + lines.last, w_tail, q + lines.last, n - lines.last,
+                                           rstd, inv_scale, ahead + lines.last);
+      return;
+    }
+  }
   int64_t i = 0;
   for (; i + 4 * N <= n; i += 4 * N) {
     for (int64_t v = 0; v < 4; ++v) prefetch_line_to_l2(ahead + i + v * N);
@@ -346,17 +421,22 @@ void SetNormalizeAmax(QuantKernels* k, DType dtype) {
   }
 }
 
+template <typename T, bool kStream>
+void SetNormalizeQuantize(NormalizeQuantizeFn (&fused)[2][2]) {
+  fused[0][0] = &NormalizeQuantize<T, void, false, kStream>;
+  fused[0][1] = &NormalizeQuantize<T, void, true, kStream>;
+  fused[1][0] = &NormalizeQuantize<T, PreparedWeight, false, kStream>;
+  fused[1][1] = &NormalizeQuantize<T, PreparedWeight, true, kStream>;
+}
+
 template <typename T>
 void SetNormalizeAmaxDType(QuantKernels* k, DType dtype) {
   SetNormalizeAmax<T, void>(k, dtype);
   SetNormalizeAmax<T, float>(k, dtype);
   if constexpr (!std::is_same_v<T, float>) SetNormalizeAmax<T, T>(k, dtype);
   k->normalize_amax_prepared[static_cast<int>(dtype)] = &NormalizeAmax<T, PreparedWeight>;
-  auto& fused = k->normalize_quantize[static_cast<int>(dtype)];
-  fused[0][0] = &NormalizeQuantize<T, void, false>;
-  fused[0][1] = &NormalizeQuantize<T, void, true>;
-  fused[1][0] = &NormalizeQuantize<T, PreparedWeight, false>;
-  fused[1][1] = &NormalizeQuantize<T, PreparedWeight, true>;
+  SetNormalizeQuantize<T, false>(k->normalize_quantize[0][static_cast<int>(dtype)]);
+  SetNormalizeQuantize<T, true>(k->normalize_quantize[1][static_cast<int>(dtype)]);
 }
 
 void FillQuantKernels(QuantKernels* k) {
@@ -364,10 +444,14 @@ void FillQuantKernels(QuantKernels* k) {
   SetNormalizeAmaxDType<float>(k, DType::kFloat32);
   SetNormalizeAmaxDType<hwy::float16_t>(k, DType::kFloat16);
   SetNormalizeAmaxDType<hwy::bfloat16_t>(k, DType::kBFloat16);
-  k->quantize[0] = &QuantizeFloats<false, QuantRange::kAny>;
-  k->quantize[1] = &QuantizeFloats<true, QuantRange::kAny>;
-  k->quantize_in_range[0] = &QuantizeFloats<false, QuantRange::kInRange>;
-  k->quantize_in_range[1] = &QuantizeFloats<true, QuantRange::kInRange>;
+  k->quantize[0][0] = &QuantizeFloats<false, QuantRange::kAny, false>;
+  k->quantize[0][1] = &QuantizeFloats<true, QuantRange::kAny, false>;
+  k->quantize[1][0] = &QuantizeFloats<false, QuantRange::kAny, true>;
+  k->quantize[1][1] = &QuantizeFloats<true, QuantRange::kAny, true>;
+  k->quantize_in_range[0][0] = &QuantizeFloats<false, QuantRange::kInRange, false>;
+  k->quantize_in_range[0][1] = &QuantizeFloats<true, QuantRange::kInRange, false>;
+  k->quantize_in_range[1][0] = &QuantizeFloats<false, QuantRange::kInRange, true>;
+  k->quantize_in_range[1][1] = &QuantizeFloats<true, QuantRange::kInRange, true>;
   k->all_finite = &AllFinite;
   k->target_name = hwy::TargetName(HWY_TARGET);
 }

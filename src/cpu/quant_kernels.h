@@ -38,6 +38,10 @@ using NormalizeQuantizeFn = void (*)(const void* x, const void* w, void* q, std:
                                      float rstd, float inv_scale, const void* ahead);
 // q[j] = quantize(y[j] * inv_scale) with quantize.h's saturating conversion, j < n.
 using QuantizeFn = void (*)(const float* y, void* q, std::int64_t n, float inv_scale);
+// The quantizing kernels (quantize, quantize_in_range, normalize_quantize) come in two store
+// kinds, their tables' first index: 0 ordinary stores; 1 streamed, for a q too large for the
+// caches: q's whole 64-byte lines go out with non-temporal stores (same values), and the
+// caller fences before q is read (cpu_backend.cpp's parallel_for does).
 
 struct QuantKernels {
   // [x DType][weight ParamType]; for fp32 rows kFloat32Param and kElementParam are the same.
@@ -45,15 +49,15 @@ struct QuantKernels {
   // [x DType], w: fp32 (w + w_offset), computed by the caller exactly as the kernels above
   // add it; w_offset is ignored. For calls of many rows: the weight is then converted once.
   NormalizeAmaxFn normalize_amax_prepared[3];
-  QuantizeFn quantize[2];  // [0: int8, 1: float8 e4m3]
+  QuantizeFn quantize[2][2];  // [streamed][0: int8, 1: float8 e4m3]
   // The same bits as quantize for values that are finite with |v| <= qmax * (1 + 2^-20),
   // which is all a dynamic scale's row gives when none of its y is NaN or Inf and the scale
   // is not bounded by scale_ub (quant_in_range): y * (1 / (amax / qmax)) exceeds qmax by at
   // most three fp32 roundings, and such values round to qmax. Skips the NaN and saturation
   // work: callgrind, PERFORMANCE.md "seventh session".
-  QuantizeFn quantize_in_range[2];
-  // [x DType][0: no weight, 1: prepared weight][quant_index]
-  NormalizeQuantizeFn normalize_quantize[3][2][2];
+  QuantizeFn quantize_in_range[2][2];  // [streamed][quant_index]
+  // [streamed][x DType][0: no weight, 1: prepared weight][quant_index]
+  NormalizeQuantizeFn normalize_quantize[2][3][2][2];
   bool (*all_finite)(const float* v, std::int64_t n);
   const char* target_name;
 };

@@ -5,7 +5,12 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "core/quantize.h"
 #include "cpu/quant_kernels.h"
@@ -516,8 +521,8 @@ TEST(Quant, SimdQuantizersMatchScalarOnEveryTarget) {
     const double in_range_limit = detail::quant_max(q_dtype) * (1.0 + 0x1p-20);
     for (const bool in_range : {false, true}) {
       const cpu::QuantizeFn quantize = in_range
-                                           ? kernels.quantize_in_range[cpu::quant_index(q_dtype)]
-                                           : kernels.quantize[cpu::quant_index(q_dtype)];
+                                           ? kernels.quantize_in_range[0][cpu::quant_index(q_dtype)]
+                                           : kernels.quantize[0][cpu::quant_index(q_dtype)];
       quantize(values.data(), got.data(), static_cast<std::int64_t>(values.size()), 1.0f);
       for (std::size_t i = 0; i < values.size(); ++i) {
         if (in_range && !(std::fabs(values[i]) <= in_range_limit)) continue;
@@ -580,6 +585,73 @@ TEST(Quant, NormalizeAmaxSameBitsOnEveryTarget) {
         }
         EXPECT_EQ(detail::float_bits(amax.amax), detail::float_bits(first_amax));
         EXPECT_EQ(std::memcmp(y.data(), first.data(), cols * sizeof(float)), 0);
+      }
+    }
+  }
+}
+
+// The streamed kernels (non-temporal stores for q's whole 64-byte lines, ordinary ones for the
+// partial lines at both ends) write the bytes the ordinary kernels write, and only the n bytes
+// asked for, at every start offset within a line and lengths around the line and vector
+// boundaries, on every target.
+TEST(Quant, StreamedKernelsMatchOrdinaryStores) {
+  Rng rng(seed_for(current_test_name(), 0));
+  const auto targets = cpu::quant_kernels_for_all_supported_targets();
+  ASSERT_FALSE(targets.empty());
+  constexpr std::int64_t kMaxN = 400, kGuard = 64;
+  // Values within both q dtypes' ranges after the scaling below, and a few that saturate.
+  std::uniform_real_distribution<float> values(-1.2f, 1.2f), weights(0.5f, 1.5f);
+  std::vector<float> y(kMaxN);
+  for (float& v : y) v = values(rng);
+  Buffer x(DType::kBFloat16, 1, kMaxN);
+  fill_activations(x, rng, false);
+  std::vector<float> w(kMaxN);
+  for (float& v : w) v = weights(rng);
+  // 64-byte aligned storage with room for a line of offset and the guards on both sides.
+  std::vector<std::uint8_t> storage(kMaxN + 4 * kGuard + 64);
+  std::uint8_t* const aligned =
+      storage.data() + (64 - reinterpret_cast<std::uintptr_t>(storage.data()) % 64) % 64 + kGuard;
+  std::vector<std::uint8_t> want(kMaxN);
+  for (const auto& target : targets) {
+    const cpu::QuantKernels& k = target.kernels;
+    for (const DType q_dtype : kQDTypes) {
+      const int qi = cpu::quant_index(q_dtype);
+      const float inv_scale = static_cast<float>(detail::quant_max(q_dtype));
+      using Kernel = std::function<void(int streamed, std::uint8_t* q, std::int64_t n)>;
+      const std::pair<const char*, Kernel> kernels[] = {
+          {"quantize", [&](int s, std::uint8_t* q,
+                           std::int64_t n) { k.quantize[s][qi](y.data(), q, n, inv_scale); }},
+          {"quantize_in_range",
+           [&](int s, std::uint8_t* q, std::int64_t n) {
+             k.quantize_in_range[s][qi](y.data(), q, n, inv_scale / 1.25f);
+           }},
+          {"normalize_quantize",
+           [&](int s, std::uint8_t* q, std::int64_t n) {
+             k.normalize_quantize[s][static_cast<int>(DType::kBFloat16)][1][qi](
+                 x.data(), w.data(), q, n, 0.37f, inv_scale, nullptr);
+           }},
+      };
+      for (const auto& [name, kernel] : kernels) {
+        for (std::int64_t offset = 0; offset < 64; offset += (offset < 4 || offset > 58) ? 1 : 7) {
+          for (const std::int64_t n : {1, 15, 63, 64, 65, 127, 128, 129, 191, 255, 256, 333, 400}) {
+            if (offset + n > kMaxN + 64) continue;
+            SCOPED_TRACE(::testing::Message()
+                         << target.name << ", " << name << ", " << dtype_str(q_dtype) << ", offset "
+                         << offset << ", n " << n);
+            kernel(0, want.data(), n);
+            std::memset(aligned - kGuard, 0xa5, kMaxN + 64 + 2 * kGuard);
+            std::uint8_t* const q = aligned + offset;
+            kernel(1, q, n);
+#if defined(__SSE2__)
+            _mm_sfence();
+#endif
+            ASSERT_EQ(std::memcmp(q, want.data(), static_cast<std::size_t>(n)), 0);
+            for (std::uint8_t* g = aligned - kGuard; g < q; ++g) ASSERT_EQ(*g, 0xa5);
+            for (std::uint8_t* g = q + n; g < aligned + kMaxN + 64 + kGuard; ++g) {
+              ASSERT_EQ(*g, 0xa5);
+            }
+          }
+        }
       }
     }
   }
