@@ -269,23 +269,6 @@ bool stream_output(const Matrix& out) {
   if (stream_override() == nullptr && row_bytes < kMinStreamRowBytes) return false;
   return large;
 }
-// The backward's dx: streamed as stream_output says for fp32 rows, and for bf16 rows where
-// one bf16 pair store is a whole 64-byte line (AVX3). fp16 dx rows, and bf16 ones on
-// narrower targets, went out faster or no slower through ordinary stores (AVX2, Zen 3:
-// docs/PERFORMANCE.md, "seventh session"; Zen 4, twenty-fifth session: AVX3 bf16 streamed /
-// ordinary geomean 0.89 over 36 pairs, AVX2 0.97 over 18, within the noise; fp16 streamed
-// 1.1-1.8 slower on AVX3). FUSEDNORM_STREAM_MIN_BYTES, when set, still decides alone, so the
-// tests keep running the streamed half kernels through this path.
-bool stream_backward_dx(const Matrix& dx) {
-  const bool streaming_paid =
-      dx.dtype == DType::kFloat32 ||
-      (dx.dtype == DType::kBFloat16 && row_kernels().float_vector_bytes >= 64);
-  if (stream_override() == nullptr && !streaming_paid) {
-    prepare_large_output(dx);  // its pages; this dx takes ordinary stores either way
-    return false;
-  }
-  return stream_output(dx);
-}
 
 // Chunked reduction over columns [0, cols) of one row, in the fixed order shared with the
 // split-row path: sum over chunks of chunk_fn(chunk begin, chunk length).
@@ -839,6 +822,10 @@ struct BackwardCall {
   bool centered;
   bool want_dw;
   bool want_db;
+  // dx streamed as any output is (stream_output), in every dtype: with the apply kernels'
+  // closure inlined, streamed / ordinary at 16384 x 4096 and 2048 x 8192, 2 threads: fp16
+  // 0.81-0.97 (AVX3), 0.72-0.76 (AVX2); bf16 0.81-0.95 (AVX2) (docs/PERFORMANCE.md,
+  // twenty-ninth session). Out of line, the streamed fp16 kernels had been slower.
   bool stream;
   BackwardApplyFn apply;
   BackwardApplyPairFn apply_pair;
@@ -854,7 +841,7 @@ struct BackwardCall {
         centered(problem.kind == NormKind::kLayer),
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),
-        stream(stream_backward_dx(problem.dx)),
+        stream(stream_output(problem.dx)),
         apply(k.backward_apply[stream][centered][weight.present()][want_dw][want_db]
                               [problem.has_addend()]),
         apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]

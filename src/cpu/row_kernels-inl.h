@@ -19,6 +19,16 @@
 #include "cpu/row_kernels.h"
 #include "hwy/highway.h"
 
+// A lambda whose call operator is always inlined (GCC and Clang spell it as an attribute
+// after the parameter list).
+#ifndef FUSEDNORM_INLINE_LAMBDA
+#if defined(__GNUC__)
+#define FUSEDNORM_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define FUSEDNORM_INLINE_LAMBDA
+#endif
+#endif
+
 HWY_BEFORE_NAMESPACE();
 namespace fusednorm::cpu {
 namespace HWY_NAMESPACE {
@@ -700,7 +710,10 @@ void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* d
   // skips the NaN test: callgrind, rms_norm_backward 16 x 4096 bf16, 1 thread:
   // BackwardApplyRows 9.13 M -> 7.72 M instructions.
   constexpr NaNPayloads kNaNs = NaNPayloads::kNarrow;
-  WriteRows<T, kStream, kNaNs, kRows>(df, dx, n, [=](auto full, int64_t i, size_t count) {
+  // Always inlined: GCC 12 left this closure out of line in the streamed fp16 kernels (every
+  // vector a call returning the rows' vectors through memory), which made streaming fp16 dx
+  // look slower than ordinary stores (docs/PERFORMANCE.md, twenty-ninth session).
+  auto make = [=](auto full, int64_t i, size_t count) FUSEDNORM_INLINE_LAMBDA {
     const DF d;  // not captured: see WriteRows
     const VF wv = kWeight ? LoadElements(full, d, w + i, count) : hn::Zero(d);
     VF dw_sum = kDw ? LoadElements(full, d, dw_acc + i, count) : hn::Zero(d);
@@ -720,7 +733,8 @@ void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* d
     if (kDw) StoreFloats(full, d, dw_sum, dw_acc + i, count);
     if (kDb) StoreFloats(full, d, db_sum, db_acc + i, count);
     return out;
-  });
+  };
+  WriteRows<T, kStream, kNaNs, kRows>(df, dx, n, make);
 }
 
 template <typename T, bool kStream, bool kCentered, bool kWeight, bool kDw, bool kDb, bool kAddend>

@@ -59,7 +59,6 @@ void FillRowKernels(RowKernels* kernels) {
   FillBFloat16Kernels(&kernels->by_dtype[static_cast<int>(DType::kBFloat16)]);
   kernels->stream_copy = &StreamCopy;
   kernels->target_name = hwy::TargetName(HWY_TARGET);
-  kernels->float_vector_bytes = hn::Lanes(hn::ScalableTag<float>()) * sizeof(float);
 }
 
 }  // namespace HWY_NAMESPACE

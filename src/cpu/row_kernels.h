@@ -201,9 +201,6 @@ struct RowKernels {
   DTypeKernels by_dtype[3];  // indexed by DType
   StreamCopyFn stream_copy;
   const char* target_name;
-  // Bytes of one fp32 vector of this target (64 on AVX3, 32 on AVX2): a bf16 pair store
-  // (two fp32 vectors demoted into one) fills a whole 64-byte line only from 64.
-  std::size_t float_vector_bytes;
 };
 
 // The kernels of the best SIMD target this CPU supports (chosen once, thread-safe), or of
