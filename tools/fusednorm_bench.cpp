@@ -154,9 +154,27 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
+// Storage on 64-byte boundaries, as PyTorch's CPU allocator places tensors (and as the
+// backend's short-row path needs to stream its rows straight from its kernels); glibc's
+// malloc gives 16.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  static constexpr std::align_val_t kAlignment{64};
+  LineAligned() = default;
+  template <typename U>
+  explicit LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlignment)); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, kAlignment); }
+  bool operator==(const LineAligned&) const { return true; }
+  bool operator!=(const LineAligned&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, LineAligned<T>>;
+
 // A rows x cols buffer of one dtype, filled from a distribution.
 struct Tensor {
-  std::vector<unsigned char> bytes;
+  AlignedVector<unsigned char> bytes;
   DType dtype;
   std::int64_t rows, cols;
 
@@ -285,7 +303,7 @@ class CopyProbe {
     return std::chrono::duration<double>(Clock::now() - start).count();
   }
 
-  std::vector<unsigned char> src_, dst_;
+  AlignedVector<unsigned char> src_, dst_;
   int threads_;
 };
 
@@ -532,7 +550,7 @@ class Bench {
   // the share of elements off rne(q_exact) (only near rounding boundaries) reported as the
   // error, with a limit of 1e-2 (a dynamic scale's few-ulp difference from the fp64 one
   // moves every q_exact of its row: about 1e-3 of them then cross a boundary).
-  void check_quant(Result& r, const std::vector<std::uint8_t>& q, DType q_dtype,
+  void check_quant(Result& r, const AlignedVector<std::uint8_t>& q, DType q_dtype,
                    const reference::QuantResult& want) {
     std::size_t off = 0, far = 0;
     for (std::size_t i = 0; i < q.size(); ++i) {
@@ -555,7 +573,7 @@ class Bench {
   }
 
   void rms_quant(DType q_dtype, bool dynamic, bool fused_add) {
-    std::vector<std::uint8_t> q(static_cast<std::size_t>(o_.rows * o_.dim));
+    AlignedVector<std::uint8_t> q(static_cast<std::size_t>(o_.rows * o_.dim));
     std::vector<float> scales(static_cast<std::size_t>(o_.rows));
     Tensor residual = residual_init_[0];
     const ConstMatrix x = x_[0].view();
@@ -590,7 +608,7 @@ class Bench {
   // the row still in cache), same threads.
   void rms_quant_two_pass(DType q_dtype, bool dynamic) {
     Tensor y(o_.dtype, o_.rows, o_.dim);
-    std::vector<std::uint8_t> q(static_cast<std::size_t>(o_.rows * o_.dim));
+    AlignedVector<std::uint8_t> q(static_cast<std::size_t>(o_.rows * o_.dim));
     std::vector<float> scales(static_cast<std::size_t>(o_.rows));
     const ConstMatrix x = x_[0].view();
     const ConstVector w = weight_[0].vec();

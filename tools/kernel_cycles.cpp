@@ -180,7 +180,7 @@ void report_short_rows(std::int64_t n, double ghz) {
     for (const auto& weight : weights) {
       rows.w = weight.data;
       // ns_per_element over kRows "elements": ns per row.
-      const double ns = ns_per_element([&] { k.rms_rows[0][weight.type][0](rows); }, kRows);
+      const double ns = ns_per_element([&] { k.rms_rows[0][0][weight.type][0](rows); }, kRows);
       std::printf("| %s | %s | %.2f | %.1f | %.1f |\n", names[t], weight.name, ns, ns * ghz,
                   static_cast<double>(2 * n * sizes[t]) / (ns * ghz));
     }
@@ -191,7 +191,7 @@ void report_short_rows(std::int64_t n, double ghz) {
     rows.w = w.data;
     rows.residual = residual.data;
     rows.residual_stride = n;
-    const double ns = ns_per_element([&] { k.rms_rows[1][cpu::kElementParam][0](rows); }, kRows);
+    const double ns = ns_per_element([&] { k.rms_rows[0][1][cpu::kElementParam][0](rows); }, kRows);
     std::printf("| %s | row dtype, fused add | %.2f | %.1f | %.1f |\n", names[t], ns, ns * ghz,
                 static_cast<double>(4 * n * sizes[t]) / (ns * ghz));
   }

@@ -596,9 +596,15 @@ void forward_split_rows(const ForwardCall& call, int threads) {
 
 // Many short rows (D <= kMaxShortRow): blocks of rows through the multi-row kernels
 // (rms_rows, layer_rows), which give each row the bits of the one-row path. A large output
-// with contiguous rows is written through a staging buffer in L1 that is then copied out
-// with non-temporal stores, so a block of rows streams as one run of whole cache lines (rows
-// streamed one by one were slower: kMinStreamRowBytes).
+// is streamed: straight from the kernels (their streamed kind) when its rows are whole
+// 64-byte lines on line boundaries, else, for contiguous rows, through a staging buffer in
+// L1 that is then copied out with non-temporal stores, so a block of rows streams as one run
+// of whole cache lines (rows streamed one by one were slower: kMinStreamRowBytes). Straight
+// from the kernels against staged, from PyTorch (64-byte-aligned tensors), `out=`, 65536 x
+// 128 and 16384 x 512, forward and fused add, 2 threads, AVX3: geomean 0.76 over 12, half
+// precision 0.57-0.85; with rows not on line boundaries (each row's end lines then take
+// ordinary stores) it was 1.2-2.3x slower at D = 128 (docs/PERFORMANCE.md, twenty-ninth
+// session).
 constexpr std::int64_t kShortRowsPerTask = 64;
 constexpr std::size_t kStagingBytes = 16 * 1024;
 bool use_short_rows(const ForwardCall& call) {
@@ -607,12 +613,19 @@ bool use_short_rows(const ForwardCall& call) {
 }
 void forward_short_rows(const ForwardCall& call, int threads) {
   const ForwardProblem& p = call.p;
-  const RmsRowsFn rms_fn =
-      call.k.rms_rows[p.has_residual()][call.weight_type][offset_slot(call.weight_offset)];
-  const LayerRowsFn layer_fn = call.k.layer_rows[call.weight_type][call.bias_type];
   const std::size_t row_bytes = static_cast<std::size_t>(p.cols()) * call.esize;
   const bool large = prepare_large_output(p.y);
-  const bool staged = p.y.row_stride == p.cols() && row_bytes <= kStagingBytes && large;
+  // Rows of whole 64-byte lines, starting on a line (as PyTorch's allocator aligns tensors),
+  // are streamed straight from the multi-row kernels; others through the staging buffer,
+  // whose copy-out handles the partial lines once per block instead of twice per row.
+  const bool whole_lines = reinterpret_cast<std::uintptr_t>(p.y.data) % 64 == 0 &&
+                           row_bytes % 64 == 0 &&
+                           (static_cast<std::size_t>(p.y.row_stride) * call.esize) % 64 == 0;
+  const bool direct = large && whole_lines;
+  const bool staged = !direct && p.y.row_stride == p.cols() && row_bytes <= kStagingBytes && large;
+  const RmsRowsFn rms_fn =
+      call.k.rms_rows[direct][p.has_residual()][call.weight_type][offset_slot(call.weight_offset)];
+  const LayerRowsFn layer_fn = call.k.layer_rows[direct][call.weight_type][call.bias_type];
   const std::int64_t rows_per_task =
       staged ? static_cast<std::int64_t>(kStagingBytes / row_bytes) : kShortRowsPerTask;
   const StreamCopyFn stream_copy = row_kernels().stream_copy;

@@ -493,7 +493,7 @@ void Normalize(const void* x_ptr, const void* w, const void* b, void* y_ptr, int
 // RMSNorm of rows.rows short rows, kGroup at a time: the sums of squares of a group first
 // (independent chains that overlap), then the group's outputs, each weight vector loaded
 // once for the group. Rows that do not fill a group run through kGroup = 1, the same code.
-template <typename T, bool kResidual, typename W, bool kOffset, size_t kGroup>
+template <typename T, bool kStream, bool kResidual, typename W, bool kOffset, size_t kGroup>
 void RmsRowGroup(const RmsRows& rows, int64_t first) {
   const DF df;
   const int64_t n = rows.n;
@@ -527,7 +527,7 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
   // thread, cycles per row fp32 55 -> 41, fp16 66 -> 43, bf16 64 -> 46 (AVX3; AVX2 57 -> 52,
   // 66 -> 51, 80 -> 64), and rms_norm 65536 x 128 from memory 0.86-0.88x the time in half
   // precision (docs/PERFORMANCE.md, twenty-eighth session).
-  auto make = [&](auto full, int64_t i, size_t count) {
+  auto make = [&](auto full, int64_t i, size_t count) FUSEDNORM_INLINE_LAMBDA {
     const DF d;  // not captured: see WriteRows
     VF wv = hn::Zero(d);
     if constexpr (!std::is_void_v<W>) wv = LoadParam<W>(full, d, w, i, count);
@@ -539,17 +539,17 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
     }
     return result;
   };
-  WriteRows<T, false, kNaNs, kGroup, decltype(make), kPairLayout<T, W>>(df, out, n, make);
+  WriteRows<T, kStream, kNaNs, kGroup, decltype(make), kPairLayout<T, W>>(df, out, n, make);
 }
 
-template <typename T, bool kResidual, typename W, bool kOffset>
+template <typename T, bool kStream, bool kResidual, typename W, bool kOffset>
 void RmsRowsKernel(const RmsRows& rows) {
   constexpr size_t kGroup = 4;
   int64_t r = 0;
   for (; r + static_cast<int64_t>(kGroup) <= rows.rows; r += kGroup) {
-    RmsRowGroup<T, kResidual, W, kOffset, kGroup>(rows, r);
+    RmsRowGroup<T, kStream, kResidual, W, kOffset, kGroup>(rows, r);
   }
-  for (; r < rows.rows; ++r) RmsRowGroup<T, kResidual, W, kOffset, 1>(rows, r);
+  for (; r < rows.rows; ++r) RmsRowGroup<T, kStream, kResidual, W, kOffset, 1>(rows, r);
 }
 
 // LayerNorm of rows.rows short rows, kGroup at a time: the group's sums first, then its
@@ -558,7 +558,7 @@ void RmsRowsKernel(const RmsRows& rows) {
 // Per row the arithmetic is compute_row_stats' (cpu_backend.cpp; a one-chunk chunked_sum,
 // 0.0f + the chunk's sum) followed by Normalize's, so a row's bits do not depend on the
 // rows grouped with it or on which path the backend takes.
-template <typename T, typename W, typename B, size_t kGroup>
+template <typename T, bool kStream, typename W, typename B, size_t kGroup>
 void LayerRowGroup(const LayerRows& rows, int64_t first) {
   const DF df;
   const int64_t n = rows.n;
@@ -585,7 +585,7 @@ void LayerRowGroup(const LayerRows& rows, int64_t first) {
   const void* w = rows.w;
   const void* b = rows.b;
   // By reference, as RmsRowGroup's (which says why).
-  auto make = [&](auto full, int64_t i, size_t count) {
+  auto make = [&](auto full, int64_t i, size_t count) FUSEDNORM_INLINE_LAMBDA {
     const DF d;  // not captured: see WriteRows
     VF wv = hn::Zero(d), bv = hn::Zero(d);
     if constexpr (!std::is_void_v<W>) wv = LoadParam<W>(full, d, w, i, count);
@@ -598,18 +598,18 @@ void LayerRowGroup(const LayerRows& rows, int64_t first) {
     }
     return result;
   };
-  WriteRows<T, false, kOutputNaNs<T, W, B>, kGroup, decltype(make), kPairLayout<T, W, B>>(df, out,
-                                                                                          n, make);
+  WriteRows<T, kStream, kOutputNaNs<T, W, B>, kGroup, decltype(make), kPairLayout<T, W, B>>(
+      df, out, n, make);
 }
 
-template <typename T, typename W, typename B>
+template <typename T, bool kStream, typename W, typename B>
 void LayerRowsKernel(const LayerRows& rows) {
   constexpr size_t kGroup = 4;
   int64_t r = 0;
   for (; r + static_cast<int64_t>(kGroup) <= rows.rows; r += kGroup) {
-    LayerRowGroup<T, W, B, kGroup>(rows, r);
+    LayerRowGroup<T, kStream, W, B, kGroup>(rows, r);
   }
-  for (; r < rows.rows; ++r) LayerRowGroup<T, W, B, 1>(rows, r);
+  for (; r < rows.rows; ++r) LayerRowGroup<T, kStream, W, B, 1>(rows, r);
 }
 
 // BackwardDots of kRows rows at once, each row with its own accumulators, so every row's
@@ -838,41 +838,48 @@ void SetNormalizeWeights(NormalizeFn (&table)[3][3][2]) {
   if constexpr (!std::is_same_v<T, float>) SetNormalize<T, kStream, kCentered, T, B>(table);
 }
 
-template <typename T, bool kResidual, typename W>
+template <typename T, bool kStream, bool kResidual, typename W>
 void SetRmsRows(RmsRowsFn (&table)[3][2]) {
   for (const int pw : kParamSlots<T, W>) {
     if (pw < 0) continue;
-    table[pw][0] = &RmsRowsKernel<T, kResidual, W, false>;
-    table[pw][1] = &RmsRowsKernel<T, kResidual, W, !std::is_void_v<W>>;
+    table[pw][0] = &RmsRowsKernel<T, kStream, kResidual, W, false>;
+    table[pw][1] = &RmsRowsKernel<T, kStream, kResidual, W, !std::is_void_v<W>>;
   }
 }
 
-template <typename T, bool kResidual>
+template <typename T, bool kStream, bool kResidual>
 void SetRmsRowsWeights(RmsRowsFn (&table)[3][2]) {
-  SetRmsRows<T, kResidual, void>(table);
-  SetRmsRows<T, kResidual, float>(table);
-  if constexpr (!std::is_same_v<T, float>) SetRmsRows<T, kResidual, T>(table);
+  SetRmsRows<T, kStream, kResidual, void>(table);
+  SetRmsRows<T, kStream, kResidual, float>(table);
+  if constexpr (!std::is_same_v<T, float>) SetRmsRows<T, kStream, kResidual, T>(table);
 }
 
-template <typename T, typename W, typename B>
+template <typename T, bool kStream, typename W, typename B>
 void SetLayerRows(LayerRowsFn (&table)[3][3]) {
   for (const int pw : kParamSlots<T, W>) {
     for (const int pb : kParamSlots<T, B>) {
-      if (pw >= 0 && pb >= 0) table[pw][pb] = &LayerRowsKernel<T, W, B>;
+      if (pw >= 0 && pb >= 0) table[pw][pb] = &LayerRowsKernel<T, kStream, W, B>;
     }
   }
 }
 
 // Every weight type with bias type B.
-template <typename T, typename B>
+template <typename T, bool kStream, typename B>
 void SetLayerRowsWeights(LayerRowsFn (&table)[3][3]) {
-  SetLayerRows<T, void, B>(table);
-  SetLayerRows<T, float, B>(table);
-  if constexpr (!std::is_same_v<T, float>) SetLayerRows<T, T, B>(table);
+  SetLayerRows<T, kStream, void, B>(table);
+  SetLayerRows<T, kStream, float, B>(table);
+  if constexpr (!std::is_same_v<T, float>) SetLayerRows<T, kStream, T, B>(table);
 }
 
 template <typename T, bool kStream>
 void FillWriters(DTypeKernels* k) {
+  SetRmsRowsWeights<T, kStream, false>(k->rms_rows[kStream][0]);
+  SetRmsRowsWeights<T, kStream, true>(k->rms_rows[kStream][1]);
+  SetLayerRowsWeights<T, kStream, void>(k->layer_rows[kStream]);
+  SetLayerRowsWeights<T, kStream, float>(k->layer_rows[kStream]);
+  if constexpr (!std::is_same_v<T, float>) {
+    SetLayerRowsWeights<T, kStream, T>(k->layer_rows[kStream]);
+  }
   // [centered][weight][bias]; RMSNorm has no bias, so [0][*][1 and 2] stay null. For fp32
   // rows the rows' dtype is fp32: both ParamTypes get the same kernels.
   auto& normalize = k->normalize[kStream];
@@ -906,11 +913,6 @@ void FillDType(DTypeKernels* k) {
   k->first_stat_pair[1] = &SumPair<T>;
   k->add_residual = &AddResidual<T>;
   k->add_residual_pair = &AddResidualPair<T>;
-  SetRmsRowsWeights<T, false>(k->rms_rows[0]);
-  SetRmsRowsWeights<T, true>(k->rms_rows[1]);
-  SetLayerRowsWeights<T, void>(k->layer_rows);
-  SetLayerRowsWeights<T, float>(k->layer_rows);
-  if constexpr (!std::is_same_v<T, float>) SetLayerRowsWeights<T, T>(k->layer_rows);
   k->backward_dots[0][0] = &BackwardDots<T, false, false>;
   k->backward_dots[0][1] = &BackwardDots<T, false, true>;
   k->backward_dots[1][0] = &BackwardDots<T, true, false>;

@@ -165,9 +165,11 @@ struct DTypeKernels {
   AddResidualPairFn add_residual_pair;
   // [stream][centered][weight ParamType][bias ParamType][offset_slot]
   NormalizeFn normalize[2][2][3][3][2];
-  RmsRowsFn rms_rows[2][3][2];         // [fused residual add][weight ParamType][offset_slot]
-  LayerRowsFn layer_rows[3][3];        // [weight ParamType][bias ParamType]
-  BackwardDotsFn backward_dots[2][2];  // [centered][weight]
+  // [stream][fused residual add][weight ParamType][offset_slot]; stream: y's whole 64-byte
+  // lines with non-temporal stores (the rows must share their address modulo 64).
+  RmsRowsFn rms_rows[2][2][3][2];
+  LayerRowsFn layer_rows[2][3][3];              // [stream][weight ParamType][bias ParamType]
+  BackwardDotsFn backward_dots[2][2];           // [centered][weight]
   BackwardDotsPairFn backward_dots_pair[2][2];  // as backward_dots
   // [stream][centered][weight][dw][db][addend]; the addend variants are RMSNorm's only.
   BackwardApplyFn backward_apply[2][2][2][2][2][2];

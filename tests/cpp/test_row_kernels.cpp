@@ -76,13 +76,15 @@ TEST(RowKernels, EveryTargetIsListedAndComplete) {
       EXPECT_NE(k.first_stat_pair[1], nullptr);
       EXPECT_NE(k.add_residual, nullptr);
       EXPECT_NE(k.add_residual_pair, nullptr);
-      for (int residual = 0; residual < 2; ++residual) {
-        for (int w = 0; w < 3; ++w) {
-          for (int o = 0; o < 2; ++o) EXPECT_NE(k.rms_rows[residual][w][o], nullptr);
+      for (int s = 0; s < 2; ++s) {
+        for (int residual = 0; residual < 2; ++residual) {
+          for (int w = 0; w < 3; ++w) {
+            for (int o = 0; o < 2; ++o) EXPECT_NE(k.rms_rows[s][residual][w][o], nullptr);
+          }
         }
-      }
-      for (int w = 0; w < 3; ++w) {
-        for (int b = 0; b < 3; ++b) EXPECT_NE(k.layer_rows[w][b], nullptr);
+        for (int w = 0; w < 3; ++w) {
+          for (int b = 0; b < 3; ++b) EXPECT_NE(k.layer_rows[s][w][b], nullptr);
+        }
       }
       for (int s = 0; s < 2; ++s) {
         for (int c = 0; c < 2; ++c) {
@@ -128,6 +130,23 @@ TEST(RowKernels, EveryTargetIsListedAndComplete) {
   std::string list;
   for (const std::string& n : names) list += n + " ";
   std::cout << "[ targets ] " << list << "(dispatched: " << cpu::row_kernels().target_name << ")\n";
+}
+
+// The smallest row stride of at least `elements` whose bytes are a multiple of 64: rows that
+// share their address modulo 64, as the streamed multi-row kernels require.
+std::int64_t line_stride(std::int64_t elements, DType dtype) {
+  const auto per_line = static_cast<std::int64_t>(64 / dtype_size(dtype));
+  return (elements + per_line - 1) / per_line * per_line;
+}
+
+// Whether two buffers of the same shape hold the same bits in every element.
+bool same_elements(const Buffer& a, const Buffer& b) {
+  for (std::int64_t r = 0; r < a.rows(); ++r) {
+    for (std::int64_t j = 0; j < a.cols(); ++j) {
+      if (a.bits(r, j) != b.bits(r, j)) return false;
+    }
+  }
+  return true;
 }
 
 class RowKernelTest : public ::testing::TestWithParam<DType> {
@@ -328,13 +347,29 @@ TEST_P(RowKernelTest, RmsRowsMatchTheOneRowKernels) {
                   stride + 1,        y.data(),      stride + 2,
                   w.data(w_type),    kernel_offset, eps,
                   rstd.float_data(), rows,          n};
-              k.rms_rows[fused][w_type][cpu::offset_slot(kernel_offset)](block);
+              k.rms_rows[0][fused][w_type][cpu::offset_slot(kernel_offset)](block);
               ASSERT_TRUE(y.check_written("y"));
               ASSERT_TRUE(rstd.check_written("rstd"));
               if (fused) {
                 ASSERT_TRUE(residual.check_guards("residual"));
               } else {
                 ASSERT_TRUE(residual.check_unchanged("residual", residual_start.snapshot()));
+              }
+              {
+                // The streamed kind (rows sharing their address modulo 64, as it requires):
+                // the same bytes, the same residual, nothing outside the rows.
+                Buffer y_streamed(dtype(), rows, n, line_stride(n + 2, dtype()));
+                Buffer residual_streamed = residual_start;
+                cpu::RmsRows streamed = block;
+                streamed.y = y_streamed.data();
+                streamed.y_stride = y_streamed.row_stride();
+                streamed.residual = fused ? residual_streamed.data() : nullptr;
+                k.rms_rows[1][fused][w_type][cpu::offset_slot(kernel_offset)](streamed);
+                ASSERT_TRUE(y_streamed.check_written("streamed y"));
+                ASSERT_TRUE(same_elements(y_streamed, y)) << "streamed y";
+                if (fused) {
+                  ASSERT_TRUE(same_elements(residual_streamed, residual));
+                }
               }
               // The same rows one at a time through the one-row kernels.
               Buffer want_residual = residual_start;
@@ -402,10 +437,20 @@ TEST_P(RowKernelTest, LayerRowsMatchTheOneRowKernels) {
                 x.data(),          stride,         y.data(), stride + 2,
                 w.data(w_type),    b.data(b_type), eps,      mean.float_data(),
                 rstd.float_data(), rows,           n};
-            k.layer_rows[w_type][b_type](block);
+            k.layer_rows[0][w_type][b_type](block);
             ASSERT_TRUE(y.check_written("y"));
             ASSERT_TRUE(mean.check_written("mean"));
             ASSERT_TRUE(rstd.check_written("rstd"));
+            {
+              // The streamed kind (rows sharing their address modulo 64): the same bytes.
+              Buffer y_streamed(dtype(), rows, n, line_stride(n + 2, dtype()));
+              cpu::LayerRows streamed = block;
+              streamed.y = y_streamed.data();
+              streamed.y_stride = y_streamed.row_stride();
+              k.layer_rows[1][w_type][b_type](streamed);
+              ASSERT_TRUE(y_streamed.check_written("streamed y"));
+              ASSERT_TRUE(same_elements(y_streamed, y)) << "streamed y";
+            }
             Buffer want_y(dtype(), 1, n);
             const std::size_t esize = dtype_size(dtype());
             for (std::int64_t r = 0; r < rows; ++r) {
@@ -719,7 +764,7 @@ TEST_P(RowKernelTest, WideNaNPayloadsStayNaN) {
         xs.fill([](std::int64_t, std::int64_t) { return 1.5; });
         cpu::RmsRows block{xs.data(),   n,     nullptr, n,       ys.data(), n,
                            wide.data(), -0.0f, 1e-6f,   nullptr, rows,      n};
-        k.rms_rows[0][cpu::kFloat32Param][cpu::offset_slot(block.w_offset)](block);
+        k.rms_rows[0][0][cpu::kFloat32Param][cpu::offset_slot(block.w_offset)](block);
         for (std::int64_t r = 0; r < rows; ++r) {
           for (std::int64_t j = 0; j < n; ++j) {
             EXPECT_EQ(std::isnan(ys.at(r, j)), j == at) << "short rows: row " << r << ", " << j;
