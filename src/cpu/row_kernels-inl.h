@@ -694,16 +694,20 @@ void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* d
   const DF df;
   std::array<const T*, kRows> dy, x, addend;
   std::array<T*, kRows> dx;
-  std::array<VF, kRows> vmean, vrstd, vmean_g, vmean_g_xhat;
+  // The row statistics are captured as floats and broadcast inside make: captured as
+  // vectors they made the closure ~600 bytes for a pair of AVX-512 rows, and WriteRows'
+  // copies of it (wide loads of just-made narrow stores, no store forwarding) were about a
+  // third of the short-row apply kernel's samples (docs/PERFORMANCE.md, thirtieth session).
+  std::array<float, kRows> mean, rstd, mean_g, mean_g_xhat;
   for (size_t k = 0; k < kRows; ++k) {
     dy[k] = static_cast<const T*>(rows.dy[k]);
     x[k] = static_cast<const T*>(rows.x[k]);
     addend[k] = static_cast<const T*>(rows.dx_addend[k]);
     dx[k] = static_cast<T*>(rows.dx[k]);
-    vmean[k] = hn::Set(df, NarrowNaN(rows.mean[k]));
-    vrstd[k] = hn::Set(df, NarrowNaN(rows.rstd[k]));
-    vmean_g[k] = hn::Set(df, NarrowNaN(rows.mean_g[k]));
-    vmean_g_xhat[k] = hn::Set(df, NarrowNaN(rows.mean_g_xhat[k]));
+    mean[k] = NarrowNaN(rows.mean[k]);
+    rstd[k] = NarrowNaN(rows.rstd[k]);
+    mean_g[k] = NarrowNaN(rows.mean_g[k]);
+    mean_g_xhat[k] = NarrowNaN(rows.mean_g_xhat[k]);
   }
   // Every NaN that can reach dx is narrow: dy, x and the addend are T, w's NaNs are narrow by
   // contract (row_kernels.h), the row's statistics are made so above. So bf16's dx rounding
@@ -722,12 +726,13 @@ void BackwardApplyRows(const BackwardRows<kRows>& rows, const float* w, float* d
     for (size_t k = 0; k < kRows; ++k) {
       const VF dyv = LoadElements(full, d, dy[k] + i, count);
       const VF xv = LoadElements(full, d, x[k] + i, count);
+      const VF vrstd = hn::Set(d, rstd[k]);
       const VF g = kWeight ? hn::Mul(dyv, wv) : dyv;
-      const VF xhat = hn::Mul(kCentered ? hn::Sub(xv, vmean[k]) : xv, vrstd[k]);
+      const VF xhat = hn::Mul(kCentered ? hn::Sub(xv, hn::Set(d, mean[k])) : xv, vrstd);
       if (kDw) dw_sum = hn::MulAdd(dyv, xhat, dw_sum);
       if (kDb) db_sum = hn::Add(dyv, db_sum);
-      const VF centered_g = kCentered ? hn::Sub(g, vmean_g[k]) : g;
-      out[k] = hn::Mul(vrstd[k], hn::NegMulAdd(xhat, vmean_g_xhat[k], centered_g));
+      const VF centered_g = kCentered ? hn::Sub(g, hn::Set(d, mean_g[k])) : g;
+      out[k] = hn::Mul(vrstd, hn::NegMulAdd(xhat, hn::Set(d, mean_g_xhat[k]), centered_g));
       if constexpr (kAddend) out[k] = hn::Add(out[k], LoadElements(full, d, addend[k] + i, count));
     }
     if (kDw) StoreFloats(full, d, dw_sum, dw_acc + i, count);
