@@ -131,7 +131,7 @@ HWY_INLINE void StoreRows(DF df, const std::array<T*, kRows>& out, const MakeFn&
 
 template <typename T, bool kStream, NaNPayloads kNaNs, size_t kRows, class MakeFn,
           PairLayout kLayout = PairLayout::kHalves>
-void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make,
+HWY_INLINE void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make,
                bool descending = false) {
   using IO = ElementIO<T, kNaNs>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
