@@ -83,24 +83,6 @@ constexpr PairLayout kPairLayout = (std::is_same_v<T, hwy::bfloat16_t> &&
                                        ? PairLayout::kParity
                                        : PairLayout::kHalves;
 
-// Writes n elements of each of kRows output rows, one vector at a time: row k's
-// [i, i + count) = make(full, i, count)[k]; kNaNs: what is known of their NaNs. Whole pairs
-// of vectors are made in kLayout (full = EvenOfPair / OddOfPair for kParity: make must then
-// read every tensor through LoadElements, whose element order follows the tag). All rows must share
-// their address modulo 64 (consecutive rows of a matrix whose row pitch is a multiple of 64 bytes
-// do). kStream: outputs too large for the caches go out with non-temporal stores, which skip
-// reading each line before overwriting it (as memcpy does); the first elements go through
-// the staging path until `out` reaches vector alignment; `descending` writes those whole
-// lines from the row's end down (StreamDescending, below, says when). The caller must issue
-// a store fence before the output is read (cpu_backend.cpp's parallel_for does).
-// make is taken and captured by value: Highway's stores go through vector types that may
-// alias anything, so captured references would be reloaded from memory after every store
-// (the streamed fp16 forward write pass, 16384 x 4096 on one thread, took 10.0 ms instead
-// of 6.9 ms). make must not capture the empty tag DF (it declares its own, `const DF d;`):
-// GCC 12 zero-fills a closure holding an empty member (rep stos) before filling it, and the
-// wide loads that copy the closure into this parameter then wait for those small stores
-// (no store forwarding): about 8 % of perf's samples of the four-row short-row group
-// (fp16, D = 128, AVX3; docs/PERFORMANCE.md, fourteenth session).
 // Ordinary stores of [begin, end) of each row: whole vectors, then one staged partial
 // vector. Inlined, so that make's members stay in registers where the caller's copy is a
 // local whose address does not escape.
@@ -129,9 +111,28 @@ HWY_INLINE void StoreRows(DF df, const std::array<T*, kRows>& out, const MakeFn&
   }
 }
 
+// Writes n elements of each of kRows output rows, one vector at a time: row k's
+// [i, i + count) = make(full, i, count)[k]; kNaNs: what is known of their NaNs. Whole pairs
+// of vectors are made in kLayout (full = EvenOfPair / OddOfPair for kParity: make must then
+// read every tensor through LoadElements, whose element order follows the tag). All rows must share
+// their address modulo 64 (consecutive rows of a matrix whose row pitch is a multiple of 64 bytes
+// do). kStream: outputs too large for the caches go out with non-temporal stores, which skip
+// reading each line before overwriting it (as memcpy does); the first elements go through
+// the staging path until `out` reaches vector alignment; `descending` writes those whole
+// lines from the row's end down (StreamDescending, below, says when). The caller must issue
+// a store fence before the output is read (cpu_backend.cpp's parallel_for does).
+// make is taken and captured by value: Highway's stores go through vector types that may
+// alias anything, so captured references would be reloaded from memory after every store
+// (the streamed fp16 forward write pass, 16384 x 4096 on one thread, took 10.0 ms instead
+// of 6.9 ms). make must not capture the empty tag DF (it declares its own, `const DF d;`):
+// GCC 12 zero-fills a closure holding an empty member (rep stos) before filling it, and the
+// wide loads that copy the closure into this parameter then wait for those small stores
+// (no store forwarding): about 8 % of perf's samples of the four-row short-row group
+// (fp16, D = 128, AVX3; docs/PERFORMANCE.md, fourteenth session).
 // Always inlined: each instantiation has one caller, since every caller's closure type is its
-// own, so inlining adds no code, and the by-value make then needs no copy in memory (out of
-// line, the caller built make with narrow stores and the copy read it with wide loads).
+// own, so inlining adds no code, and the by-value make is not copied into a parameter (out of
+// line, the caller built it with narrow stores and the copy read it with wide loads); only
+// store_range, below, still copies it (docs/PERFORMANCE.md, thirty-first session).
 template <typename T, bool kStream, NaNPayloads kNaNs, size_t kRows, class MakeFn,
           PairLayout kLayout = PairLayout::kHalves>
 HWY_INLINE void WriteRows(DF df, const std::array<T*, kRows>& out, int64_t n, MakeFn make,
@@ -529,7 +530,8 @@ void RmsRowGroup(const RmsRows& rows, int64_t first) {
   // per group. Reloading the captures from L1 after each store costs less here: in L1, D = 128, one
   // thread, cycles per row fp32 55 -> 41, fp16 66 -> 43, bf16 64 -> 46 (AVX3; AVX2 57 -> 52,
   // 66 -> 51, 80 -> 64), and rms_norm 65536 x 128 from memory 0.86-0.88x the time in half
-  // precision (docs/PERFORMANCE.md, twenty-eighth session).
+  // precision (docs/PERFORMANCE.md, twenty-eighth session). By value still lost with WriteRows
+  // inlined, with the rstd as vectors or as floats (thirty-first session).
   auto make = [&](auto full, int64_t i, size_t count) FUSEDNORM_INLINE_LAMBDA {
     const DF d;  // not captured: see WriteRows
     VF wv = hn::Zero(d);
