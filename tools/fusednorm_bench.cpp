@@ -86,7 +86,8 @@ struct Options {
       "  --fused-only  skip the stepwise and two-pass baselines (slow on large shapes)\n"
       "  --json     one JSON object per line instead of the table\n"
       "The CPU SIMD target is the best this CPU supports; FUSEDNORM_CPU_TARGET=AVX2 (or any\n"
-      "Highway target name this CPU supports) runs a chosen one. Both outputs name it.\n");
+      "Highway target name this CPU supports, or AVX3_BF16: AVX3 with AVX512_BF16's bf16\n"
+      "conversions, the best where the CPU has them) runs a chosen one. Both outputs name it.\n");
   std::exit(message ? 2 : 0);
 }
 

@@ -16,9 +16,26 @@
 #include "core/scalar_convert.h"
 #include "hwy/highway.h"
 
+// The namespace of the kernels: Highway's per-target one, except in
+// row_kernels_bf16_avx512bf16.cc, which compiles Highway's AVX3 target a second time with
+// AVX512_BF16 enabled and keeps those kernels apart from the ordinary AVX3 ones.
+#ifndef FUSEDNORM_KERNEL_NAMESPACE
+#define FUSEDNORM_KERNEL_NAMESPACE HWY_NAMESPACE
+#endif
+
+// fp32 -> bf16 by the AVX512_BF16 conversions (vcvtneps2bf16, vcvtne2ps2bf16): round to
+// nearest even and NaNs quieted, the bits of RoundedBits below, except that fp32
+// subnormals become signed zeros; vectors holding one take RoundedBits instead.
+#undef FUSEDNORM_BF16_CONVERSIONS
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3 && defined(__AVX512BF16__)
+#define FUSEDNORM_BF16_CONVERSIONS 1
+#else
+#define FUSEDNORM_BF16_CONVERSIONS 0
+#endif
+
 HWY_BEFORE_NAMESPACE();
 namespace fusednorm::cpu {
-namespace HWY_NAMESPACE {
+namespace FUSEDNORM_KERNEL_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 using DF = hn::ScalableTag<float>;
@@ -127,6 +144,11 @@ struct ElementIO<hwy::bfloat16_t, kNaNs> {
     }
   }
   static hn::Vec<DB> Demote(DF df, VF v) {
+#if FUSEDNORM_BF16_CONVERSIONS
+    if (HWY_LIKELY(!HasSubnormal(v))) {
+      return hn::Vec<DB>{reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v.raw))};
+    }
+#endif
     const hn::RebindToSigned<DF> di;
     const hn::Rebind<uint16_t, DF> du16;
     const auto upper = hn::ShiftRight<16>(RoundedBits(df, v));
@@ -151,6 +173,13 @@ struct ElementIO<hwy::bfloat16_t, kNaNs> {
   using DW = hn::Repartition<uint16_t, DF>;  // 2 * Lanes(DF) 16-bit lanes
   static hn::Vec<DW> DemotePair(DF df, VF first, VF second) {
     const DW dw;
+#if FUSEDNORM_BF16_CONVERSIONS
+    // One instruction for both vectors, in this order, where RoundedBits and ConcatOdd took
+    // nine (measured in docs/PERFORMANCE.md, thirty-third session).
+    if (HWY_LIKELY(!HasSubnormal(first, second))) {
+      return hn::Vec<DW>{reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second.raw, first.raw))};
+    }
+#endif
     return hn::ConcatOdd(dw, hn::BitCast(dw, RoundedBits(df, second)),
                          hn::BitCast(dw, RoundedBits(df, first)));
   }
@@ -176,6 +205,16 @@ struct ElementIO<hwy::bfloat16_t, kNaNs> {
   // into the low halves, one blend joins them (no pack, no cross-lane permute).
   static hn::Vec<DW> DemoteParity(DF df, VF even, VF odd) {
     const DW dw;
+#if FUSEDNORM_BF16_CONVERSIONS
+    // The conversion yields the even elements, then the odd ones; one permute interleaves them.
+    if (HWY_LIKELY(!HasSubnormal(even, odd))) {
+      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd.raw, even.raw));
+      const __m512i interleave =
+          _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                           22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      return hn::Vec<DW>{_mm512_permutexvar_epi16(interleave, halves)};
+    }
+#endif
     return hn::OddEven(hn::BitCast(dw, RoundedBits(df, odd)),
                        hn::BitCast(dw, hn::ShiftRight<16>(RoundedBits(df, even))));
   }
@@ -187,6 +226,15 @@ struct ElementIO<hwy::bfloat16_t, kNaNs> {
   }
 
  private:
+#if FUSEDNORM_BF16_CONVERSIONS
+  static constexpr int kSubnormal = 0x20;  // vfpclassps: denormal, either sign
+  static bool HasSubnormal(VF v) { return _mm512_fpclass_ps_mask(v.raw, kSubnormal) != 0; }
+  static bool HasSubnormal(VF a, VF b) {
+    // One kortestw for both masks (an OR of them took two moves out of the mask registers).
+    return !_kortestz_mask16_u8(_mm512_fpclass_ps_mask(a.raw, kSubnormal),
+                                _mm512_fpclass_ps_mask(b.raw, kSubnormal));
+  }
+#endif
   static hn::Vec<hn::RebindToUnsigned<DF>> LoadWords(const hwy::bfloat16_t* p) {
     return hn::BitCast(hn::RebindToUnsigned<DF>(),
                        hn::LoadU(DW(), reinterpret_cast<const uint16_t*>(p)));
@@ -261,7 +309,7 @@ void StoreFloats(IsFull, DF df, VF v, float* p, size_t count) {
     FloatTail(nullptr, count).Store(df, v, p);
   }
 }
-}  // namespace HWY_NAMESPACE
+}  // namespace FUSEDNORM_KERNEL_NAMESPACE
 }  // namespace fusednorm::cpu
 HWY_AFTER_NAMESPACE();
 

@@ -478,12 +478,12 @@ QuantKernels kernels_for_target(std::int64_t target) {
 }
 
 // The target row_kernels() chose (the best one, or FUSEDNORM_CPU_TARGET's), so that a call
-// never mixes two targets.
+// never mixes two targets; AVX3_BF16's is AVX3 (the quantized norm writes no bf16).
 QuantKernels choose_kernels() {
-  const char* const name = row_kernels().target_name;
+  const std::int64_t chosen = row_kernels().target;
   std::lock_guard<std::mutex> lock(target_mock_mutex());
   for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    if (std::strcmp(hwy::TargetName(target), name) == 0) return kernels_for_target(target);
+    if (target == chosen) return kernels_for_target(target);
   }
   QuantKernels k;
   HWY_DYNAMIC_DISPATCH(FillQuantKernels)(&k);

@@ -31,7 +31,7 @@
 
 HWY_BEFORE_NAMESPACE();
 namespace fusednorm::cpu {
-namespace HWY_NAMESPACE {
+namespace FUSEDNORM_KERNEL_NAMESPACE {
 
 // The pair of vectors holding the 2 * lanes elements at i, taken apart as kLayout says
 // (element_io-inl.h), and its store / non-temporal store at p: one combined store where
@@ -55,6 +55,25 @@ void StorePair(DF df, VF first, VF second, T* p) {
     IO::Store(df, first, p);
     IO::Store(df, second, p + hn::Lanes(df));
   }
+}
+// StorePair, returning the two vectors as stored (RoundTrip's values). With AVX512_BF16's
+// conversions a bf16 pair in the parity layout gets them from the stored words, one shift
+// or mask each, as RoundTrip would recompute the rounding of the integer path.
+template <typename T, NaNPayloads kNaNs, PairLayout kLayout>
+HWY_INLINE std::pair<VF, VF> StorePairRounded(DF df, VF first, VF second, T* p) {
+  using IO = ElementIO<T, kNaNs>;
+#if FUSEDNORM_BF16_CONVERSIONS
+  if constexpr (kLayout == PairLayout::kParity) {
+    const auto words = IO::DemoteParity(df, first, second);
+    hn::StoreU(words, typename IO::DW(), reinterpret_cast<uint16_t*>(p));
+    const hn::RebindToUnsigned<DF> du;
+    const auto lanes = hn::BitCast(du, words);  // odd element << 16 | even element
+    return {hn::BitCast(df, hn::ShiftLeft<16>(lanes)),
+            hn::BitCast(df, hn::And(lanes, hn::Set(du, 0xffff0000u)))};
+  }
+#endif
+  StorePair<T, kNaNs, kLayout>(df, first, second, p);
+  return {IO::RoundTrip(df, first), IO::RoundTrip(df, second)};
 }
 template <typename T, NaNPayloads kNaNs, PairLayout kLayout>
 void StreamPair(DF df, VF first, VF second, T* aligned) {
@@ -363,9 +382,9 @@ HWY_INLINE std::array<float, kRows> AddResidualOfRows(DF df, const std::array<co
                      LoadElements(full, df, residual[k] + j, count));
     };
     const auto [first, second] = MakePair<kPairLayout<T>>(sum, at, N);
-    StorePair<T, NaNPayloads::kNarrow, kPairLayout<T>>(df, first, second, residual[k] + at);
     // Normalize what was stored.
-    const VF a = IO::RoundTrip(df, first), b = IO::RoundTrip(df, second);
+    const auto [a, b] = StorePairRounded<T, NaNPayloads::kNarrow, kPairLayout<T>>(
+        df, first, second, residual[k] + at);
     even_acc = hn::MulAdd(a, a, even_acc);
     odd_acc = hn::MulAdd(b, b, odd_acc);
   };
@@ -945,7 +964,7 @@ void FillFloat32Kernels(DTypeKernels* k);
 void FillFloat16Kernels(DTypeKernels* k);
 void FillBFloat16Kernels(DTypeKernels* k);
 
-}  // namespace HWY_NAMESPACE
+}  // namespace FUSEDNORM_KERNEL_NAMESPACE
 }  // namespace fusednorm::cpu
 HWY_AFTER_NAMESPACE();
 

@@ -59,6 +59,7 @@ void FillRowKernels(RowKernels* kernels) {
   FillBFloat16Kernels(&kernels->by_dtype[static_cast<int>(DType::kBFloat16)]);
   kernels->stream_copy = &StreamCopy;
   kernels->target_name = hwy::TargetName(HWY_TARGET);
+  kernels->target = HWY_TARGET;
 }
 
 }  // namespace HWY_NAMESPACE
@@ -90,6 +91,14 @@ RowKernels kernels_for_target(std::int64_t target) {
   return k;
 }
 
+// AVX3's table with the bf16 kernels of AVX512_BF16, when both are there (k: AVX3's).
+bool upgrade_to_avx3_bf16(RowKernels* k) {
+  if (k->target != HWY_AVX3) return false;
+  if (!fill_avx512bf16_kernels(&k->by_dtype[static_cast<int>(DType::kBFloat16)])) return false;
+  k->target_name = kAvx3Bf16TargetName;
+  return true;
+}
+
 bool same_name(const char* a, const std::string& b) {
   const std::string left(a);
   return left.size() == b.size() &&
@@ -104,6 +113,7 @@ RowKernels choose_kernels() {
   if (chosen == nullptr || *chosen == '\0') {
     RowKernels k;
     HWY_DYNAMIC_DISPATCH(FillRowKernels)(&k);
+    upgrade_to_avx3_bf16(&k);
     return k;
   }
   std::lock_guard<std::mutex> lock(target_mock_mutex());
@@ -111,6 +121,13 @@ RowKernels choose_kernels() {
   for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
     if (same_name(hwy::TargetName(target), chosen)) return kernels_for_target(target);
     available += std::string(available.empty() ? "" : ", ") + hwy::TargetName(target);
+    if (target == HWY_AVX3) {
+      RowKernels k = kernels_for_target(target);
+      if (upgrade_to_avx3_bf16(&k)) {
+        if (same_name(kAvx3Bf16TargetName, chosen)) return k;
+        available += std::string(", ") + kAvx3Bf16TargetName;
+      }
+    }
   }
   throw Error(
       std::string("fusednorm: environment variable FUSEDNORM_CPU_TARGET: '") + chosen +
@@ -129,6 +146,8 @@ std::vector<TargetKernels> kernels_for_all_supported_targets() {
   std::vector<TargetKernels> result;
   for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
     result.push_back({hwy::TargetName(target), kernels_for_target(target)});
+    RowKernels upgraded = result.back().kernels;
+    if (upgrade_to_avx3_bf16(&upgraded)) result.push_back({kAvx3Bf16TargetName, upgraded});
   }
   return result;
 }

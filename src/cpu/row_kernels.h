@@ -202,14 +202,24 @@ inline void prefetch_to_l2(const void* p, std::int64_t bytes) {
 struct RowKernels {
   DTypeKernels by_dtype[3];  // indexed by DType
   StreamCopyFn stream_copy;
-  const char* target_name;
+  const char* target_name;  // Highway's name of `target`, or kAvx3Bf16TargetName
+  std::int64_t target;      // the Highway target (HWY_AVX2, ...) the tables were compiled for
 };
+
+// AVX3 with its bf16 kernels compiled again with AVX512_BF16's conversions
+// (row_kernels_bf16_avx512bf16.cc): the best target where the CPU has both.
+inline constexpr const char kAvx3Bf16TargetName[] = "AVX3_BF16";
+
+// Replaces *k with the bf16 kernels built with AVX512_BF16 and returns true, when this build
+// has them and the CPU supports AVX512_BF16; otherwise returns false and leaves *k. The
+// caller must hold AVX3's table (the rest of the CPU features they use).
+bool fill_avx512bf16_kernels(DTypeKernels* k);
 
 // The kernels of the best SIMD target this CPU supports (chosen once, thread-safe), or of
 // the target named by the environment variable FUSEDNORM_CPU_TARGET (a Highway target name
-// such as AVX2, AVX3, SSE4, EMU128; case-insensitive) to run and time a chosen target on a
-// CPU that supports more. A name that is not compiled in or not supported by this CPU
-// throws fusednorm::Error listing the ones that are.
+// such as AVX2, AVX3, SSE4, EMU128, or AVX3_BF16; case-insensitive) to run and time a chosen
+// target on a CPU that supports more. A name that is not compiled in or not supported by
+// this CPU throws fusednorm::Error listing the ones that are.
 const RowKernels& row_kernels();
 
 // Tests: the kernels of every target compiled into this binary that this CPU can run.

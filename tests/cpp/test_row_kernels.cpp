@@ -318,6 +318,63 @@ TEST_P(RowKernelTest, NormalizeIsExactAfterRounding) {
   }
 }
 
+// Outputs in fp32's subnormal range round as the scalar conversion does, on every target:
+// AVX3_BF16's bf16 conversions flush fp32 subnormals to zero, so its vectors holding one
+// must take the integer rounding (element_io-inl.h). Each vector mixes subnormal and normal
+// values, and some vectors hold no subnormal at all.
+TEST_P(RowKernelTest, SubnormalOutputsRoundAsTheScalarConversion) {
+  const float rstd = 0x1p-120f;
+  for (const TargetKernels& t : targets()) {
+    const DTypeKernels& k = t.kernels.by_dtype[static_cast<int>(dtype())];
+    for (const std::int64_t n : {std::int64_t{64}, std::int64_t{100}, std::int64_t{257}}) {
+      Rng rng(seed_for(current_test_name(), static_cast<int>(n)));
+      std::uniform_real_distribution<double> exponent(-20.0, 4.0);
+      std::uniform_real_distribution<double> mantissa(1.0, 2.0);
+      Buffer x = Buffer::vector_of(dtype(), n);
+      // Every third group of 32 elements is normal after scaling (no subnormal in the vector).
+      x.fill([&](std::int64_t, std::int64_t j) {
+        const double e = (j / 32) % 3 == 2 ? 8.0 : exponent(rng);
+        return (j % 2 ? -1.0 : 1.0) * mantissa(rng) * std::exp2(e);
+      });
+      const Params w = random_params(dtype(), n, rng, 1.0, 0.0);  // all ones
+      for (const StoreMode mode : store_modes()) {
+        for (int w_type = 0; w_type < 3; ++w_type) {
+          SCOPED_TRACE(::testing::Message() << t.name << ", n " << n << ", stream " << mode.stream
+                                            << " at offset " << mode.offset << ", weight type "
+                                            << w_type);
+          Buffer y(dtype(), 1, n, n, kGuard + mode.offset);
+          k.normalize[mode.stream][0][w_type][0][0](x.data(), w.data(w_type), nullptr, y.data(), n,
+                                                    0.0f, rstd, -0.0f, nullptr);
+          ASSERT_TRUE(y.check_written("y"));
+          for (std::int64_t j = 0; j < n; ++j) {
+            const float v = static_cast<float>(x.at(j)) * rstd;
+            const float want = detail::round_to_dtype(v, dtype());
+            const auto got = static_cast<float>(y.at(j));
+            ASSERT_TRUE(got == want && std::signbit(got) == std::signbit(want))
+                << "element " << j << ": " << v << " gave " << got << ", expected " << want;
+          }
+        }
+      }
+      // The fused add's stored residual: sums of two values below fp32's normal range.
+      Buffer a = Buffer::vector_of(dtype(), n), residual = Buffer::vector_of(dtype(), n);
+      a.fill([&](std::int64_t, std::int64_t j) { return x.at(j) * 0x1p-120; });
+      residual.fill([&](std::int64_t, std::int64_t j) { return x.at(n - 1 - j) * 0x1p-121; });
+      std::vector<float> expected(static_cast<std::size_t>(n));
+      for (std::int64_t j = 0; j < n; ++j) {
+        expected[j] = detail::round_to_dtype(
+            static_cast<float>(a.at(j)) + static_cast<float>(residual.at(j)), dtype());
+      }
+      k.add_residual(a.data(), residual.data(), n);
+      for (std::int64_t j = 0; j < n; ++j) {
+        const auto got = static_cast<float>(residual.at(j));
+        ASSERT_TRUE(got == expected[j] && std::signbit(got) == std::signbit(expected[j]))
+            << t.name << ", n " << n << ", element " << j << ": got " << got << ", expected "
+            << expected[j];
+      }
+    }
+  }
+}
+
 // The multi-row RMSNorm kernel gives every row the bits of the one-row kernels
 // (sum_squares or add_residual, then normalize), whatever the rows it is grouped with: row
 // counts around the group size, every tail length, strided rows, every weight type, a weight
