@@ -116,18 +116,12 @@ RowKernels choose_kernels() {
     upgrade_to_avx3_bf16(&k);
     return k;
   }
-  std::lock_guard<std::mutex> lock(target_mock_mutex());
+  // The same list the tests run (AVX3_BF16 included where it exists), so a name is accepted
+  // exactly when its kernels are tested on this CPU.
   std::string available;
-  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    if (same_name(hwy::TargetName(target), chosen)) return kernels_for_target(target);
-    available += std::string(available.empty() ? "" : ", ") + hwy::TargetName(target);
-    if (target == HWY_AVX3) {
-      RowKernels k = kernels_for_target(target);
-      if (upgrade_to_avx3_bf16(&k)) {
-        if (same_name(kAvx3Bf16TargetName, chosen)) return k;
-        available += std::string(", ") + kAvx3Bf16TargetName;
-      }
-    }
+  for (const TargetKernels& t : kernels_for_all_supported_targets()) {
+    if (same_name(t.name, chosen)) return t.kernels;
+    available += std::string(available.empty() ? "" : ", ") + t.name;
   }
   throw Error(
       std::string("fusednorm: environment variable FUSEDNORM_CPU_TARGET: '") + chosen +
