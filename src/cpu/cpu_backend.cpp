@@ -270,6 +270,34 @@ bool stream_output(const Matrix& out) {
   return large;
 }
 
+// Rows that are whole 64-byte lines starting on a line (as PyTorch's allocator aligns
+// tensors): every line of every row can be streamed, with no partial line at a row's ends.
+bool whole_line_rows(const Matrix& out) {
+  const std::size_t esize = dtype_size(out.dtype);
+  return out.data != nullptr && reinterpret_cast<std::uintptr_t>(out.data) % 64 == 0 &&
+         (static_cast<std::size_t>(out.cols) * esize) % 64 == 0 &&
+         (static_cast<std::size_t>(out.row_stride) * esize) % 64 == 0;
+}
+
+// The backward's short dx rows (under kMinStreamRowBytes) are streamed when they are whole
+// lines of at least kMinStreamShortDxBytes and the kernels stream whole lines at a time (a
+// store pair, WriteRows, of at least 64 bytes): ordinary stores read each line before writing
+// it, a third more memory traffic for the backward (dy and x read, dx written). 2 threads,
+// Zen 5, rms_norm_backward streamed / ordinary, repeated runs: AVX3 fp32 D = 128 0.68-0.82,
+// D = 256 0.78-0.80, fp16 / bf16 D = 256 0.56-1.13 (most 0.82-0.94), D = 512 0.68-0.79; AVX2
+// fp32 D = 128 0.94-1.04, D = 256 0.83. Not streamed: AVX2's 32-byte half-precision pairs
+// (D = 256 1.11-1.22), 128-byte rows (fp16 / bf16 D = 64 on AVX3, 1.07-1.77), and 256-byte half
+// rows (D = 128: 0.65 to 1.44; docs/PERFORMANCE.md, thirty-fourth session).
+constexpr std::size_t kMinStreamShortDxBytes = 512;
+bool stream_dx(const Matrix& dx) {
+  const bool large = prepare_large_output(dx);
+  const std::size_t esize = dtype_size(dx.dtype);
+  const std::size_t row_bytes = static_cast<std::size_t>(dx.cols) * esize;
+  if (stream_override() != nullptr || row_bytes >= kMinStreamRowBytes) return large;
+  const std::size_t pair_bytes = 2 * static_cast<std::size_t>(row_kernels().float_lanes) * esize;
+  return large && row_bytes >= kMinStreamShortDxBytes && pair_bytes >= 64 && whole_line_rows(dx);
+}
+
 // Chunked reduction over columns [0, cols) of one row, in the fixed order shared with the
 // split-row path: sum over chunks of chunk_fn(chunk begin, chunk length).
 template <typename ChunkFn>
@@ -618,10 +646,7 @@ void forward_short_rows(const ForwardCall& call, int threads) {
   // Rows of whole 64-byte lines, starting on a line (as PyTorch's allocator aligns tensors),
   // are streamed straight from the multi-row kernels; others through the staging buffer,
   // whose copy-out handles the partial lines once per block instead of twice per row.
-  const bool whole_lines = reinterpret_cast<std::uintptr_t>(p.y.data) % 64 == 0 &&
-                           row_bytes % 64 == 0 &&
-                           (static_cast<std::size_t>(p.y.row_stride) * call.esize) % 64 == 0;
-  const bool direct = large && whole_lines;
+  const bool direct = large && whole_line_rows(p.y);
   const bool staged = !direct && p.y.row_stride == p.cols() && row_bytes <= kStagingBytes && large;
   const RmsRowsFn rms_fn =
       call.k.rms_rows[direct][p.has_residual()][call.weight_type][offset_slot(call.weight_offset)];
@@ -835,8 +860,8 @@ struct BackwardCall {
   bool centered;
   bool want_dw;
   bool want_db;
-  // dx streamed as any output is (stream_output), in every dtype: with the apply kernels'
-  // closure inlined, streamed / ordinary at 16384 x 4096 and 2048 x 8192, 2 threads: fp16
+  // dx streamed as any long-row output is (stream_output), and short rows of whole lines
+  // too (stream_dx), in every dtype: with the apply kernels' closure inlined, streamed / ordinary at 16384 x 4096 and 2048 x 8192, 2 threads: fp16
   // 0.81-0.97 (AVX3), 0.72-0.76 (AVX2); bf16 0.81-0.95 (AVX2) (docs/PERFORMANCE.md,
   // twenty-ninth session). Out of line, the streamed fp16 kernels had been slower.
   bool stream;
@@ -854,7 +879,7 @@ struct BackwardCall {
         centered(problem.kind == NormKind::kLayer),
         want_dw(problem.dw.data != nullptr),
         want_db(problem.db.data != nullptr),
-        stream(stream_output(problem.dx)),
+        stream(stream_dx(problem.dx)),
         apply(k.backward_apply[stream][centered][weight.present()][want_dw][want_db]
                               [problem.has_addend()]),
         apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]

@@ -60,6 +60,7 @@ void FillRowKernels(RowKernels* kernels) {
   kernels->stream_copy = &StreamCopy;
   kernels->target_name = hwy::TargetName(HWY_TARGET);
   kernels->target = HWY_TARGET;
+  kernels->float_lanes = static_cast<int64_t>(hn::Lanes(DF()));
 }
 
 }  // namespace HWY_NAMESPACE

@@ -204,6 +204,9 @@ struct RowKernels {
   StreamCopyFn stream_copy;
   const char* target_name;  // Highway's name of `target`, or kAvx3Bf16TargetName
   std::int64_t target;      // the Highway target (HWY_AVX2, ...) the tables were compiled for
+  // Lanes of the kernels' fp32 vectors: a row of T is written 2 * float_lanes * sizeof(T)
+  // bytes per streamed store pair (WriteRows).
+  std::int64_t float_lanes;
 };
 
 // AVX3 with its bf16 kernels compiled again with AVX512_BF16's conversions
