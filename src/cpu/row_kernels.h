@@ -151,6 +151,24 @@ struct BackwardRows {
 using BackwardApplyPairFn = void (*)(const BackwardRows<2>& rows, const float* w, float* dw_acc,
                                      float* db_acc, std::int64_t n);
 
+// A block of consecutive short rows for the backward (D <= kMaxShortRow, one column chunk),
+// with their statistics given: each pair of rows gets its dots, then its dx and dw / db terms,
+// through the same code as backward_dots_pair and backward_apply_pair, and a last odd row
+// the one-row code; so the bits are those of the calls row pair by row pair. Strides are in
+// elements; when streamed, the dx rows must share their address modulo 64.
+struct BackwardBlock {
+  const void* dy;
+  const void* x;
+  const void* dx_addend;  // unused by the variants without an addend
+  void* dx;
+  std::int64_t dy_stride, x_stride, addend_stride, dx_stride;
+  const float* mean;  // per row (LayerNorm); unused by RMSNorm, whose mean is 0
+  const float* rstd;  // per row
+  std::int64_t rows, n;
+};
+using BackwardBlockFn = void (*)(const BackwardBlock& block, const float* w, float* dw_acc,
+                                 float* db_acc);
+
 // dst[j] = sum over b < blocks of partials[b * stride + j], for j < n: each column's
 // terms added in block order to +0.0f, rounded once to the table's dtype (the gradient's
 // dtype, which may differ from the rows'), as detail::store_from_float rounds.
@@ -174,6 +192,7 @@ struct DTypeKernels {
   // [stream][centered][weight][dw][db][addend]; the addend variants are RMSNorm's only.
   BackwardApplyFn backward_apply[2][2][2][2][2][2];
   BackwardApplyPairFn backward_apply_pair[2][2][2][2][2][2];  // as backward_apply
+  BackwardBlockFn backward_block[2][2][2][2][2][2];           // as backward_apply
   ColumnSumsFn column_sums;  // the backward's dw / db, stored in this dtype
 };
 

@@ -129,6 +129,57 @@ TEST_P(DeterminismTest, BackwardAcrossThreadCounts) {
   }
 }
 
+// Short rows with their statistics given go through the backward's block kernels
+// (backward_block); recomputed, through the row-pair loop. The forward's statistics are the
+// recomputed ones, so both must give the same bits: dx, dw, db, with and without a weight, with
+// a dx addend, odd and even row counts, D from 1 to kMaxShortRow and one beyond, 1 to 3
+// threads.
+TEST_P(DeterminismTest, BackwardBlocksHaveTheBitsOfTheRowPairs) {
+  for (const Shape s : {Shape{1, 128}, Shape{2, 1}, Shape{5, 3}, Shape{37, 64}, Shape{300, 128},
+                        Shape{131, 200}, Shape{9, 1000}, Shape{10, 1024}, Shape{6, 1025}}) {
+    Rng rng(seed_for(current_test_name(), static_cast<int>(s.rows * 4099 + s.cols)));
+    Buffer x(dtype(), s.rows, s.cols), dy(dtype(), s.rows, s.cols), addend(dtype(), s.rows, s.cols);
+    fill_activations(x, rng, true);
+    fill_activations(dy, rng, false);
+    fill_activations(addend, rng, false);
+    const Buffer w = make_weight(WeightKind::kSame, dtype(), s.cols, rng, 1.0);
+    Buffer dx(dtype(), s.rows, s.cols), y(dtype(), s.rows, s.cols);
+    Buffer dw = Buffer::vector_of(DType::kFloat32, s.cols);
+    Buffer db = Buffer::vector_of(dtype(), s.cols);
+    Buffer mean = Buffer::floats(s.rows), rstd = Buffer::floats(s.rows);
+    for (const int threads : {1, 2, 3}) {
+      SCOPED_TRACE(::testing::Message() << s.rows << " x " << s.cols << ", "
+                                        << dtype_str(dtype()) << ", " << threads << " threads");
+      Context ctx;
+      ctx.num_threads = threads;
+      for (const bool weighted : {true, false}) {
+        const ConstVector weight = weighted ? w.cvector() : ConstVector{};
+        rms_norm(ctx, x.cmatrix(), weight, y.matrix(), rstd.float_data());
+        auto rms = [&](const float* stats, bool with_addend) {
+          rms_norm_backward(ctx, dy.cmatrix(), x.cmatrix(), weight, stats, dx.matrix(),
+                            weighted ? dw.vector() : Vector{}, {}, {},
+                            with_addend ? addend.cmatrix() : ConstMatrix{});
+          return Bits{dx.snapshot(), dw.snapshot()};
+        };
+        EXPECT_TRUE(same_bits(rms(rstd.float_data(), false), rms(nullptr, false)))
+            << "rms_norm_backward, weight " << weighted;
+        EXPECT_TRUE(same_bits(rms(rstd.float_data(), true), rms(nullptr, true)))
+            << "rms_norm_backward with a dx addend, weight " << weighted;
+        layer_norm(ctx, x.cmatrix(), weight, {}, y.matrix(), mean.float_data(), rstd.float_data());
+        auto layer = [&](bool given) {
+          layer_norm_backward(ctx, dy.cmatrix(), x.cmatrix(), weight,
+                              given ? mean.float_data() : nullptr,
+                              given ? rstd.float_data() : nullptr, dx.matrix(),
+                              weighted ? dw.vector() : Vector{}, db.vector());
+          return Bits{dx.snapshot(), dw.snapshot(), db.snapshot()};
+        };
+        EXPECT_TRUE(same_bits(layer(true), layer(false))) << "layer_norm_backward, weight "
+                                                          << weighted;
+      }
+    }
+  }
+}
+
 // A row's outputs do not depend on the rows beside it: the forward reads rows two at a time
 // (first_stat_pair, add_residual_pair) where it can, and each must get the bits of a call on that
 // row alone. Odd row counts leave a last row outside any pair. (Batches of several rows, and so the
