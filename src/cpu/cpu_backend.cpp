@@ -888,6 +888,8 @@ struct BackwardCall {
         apply_pair(k.backward_apply_pair[stream][centered][weight.present()][want_dw][want_db]
                                         [problem.has_addend()]),
         block(nullptr) {
+    // The block kernels form the row means from one column chunk's sums.
+    static_assert(kMaxShortRow <= kReduceChunk, "short rows must fit one column chunk");
     if (p.cols() <= kMaxShortRow && p.phase == Phase::kWhole && p.rstd != nullptr &&
         (!centered || p.mean != nullptr) && p.dx.data != nullptr && pairable()) {
       block = k.backward_block[stream][centered][weight.present()][want_dw][want_db]
