@@ -860,10 +860,11 @@ struct BackwardCall {
   bool centered;
   bool want_dw;
   bool want_db;
-  // dx streamed as any long-row output is (stream_output), and short rows of whole lines
-  // too (stream_dx), in every dtype: with the apply kernels' closure inlined, streamed / ordinary at 16384 x 4096 and 2048 x 8192, 2 threads: fp16
-  // 0.81-0.97 (AVX3), 0.72-0.76 (AVX2); bf16 0.81-0.95 (AVX2) (docs/PERFORMANCE.md,
-  // twenty-ninth session). Out of line, the streamed fp16 kernels had been slower.
+  // dx is streamed as any long-row output is, in every dtype, and short rows where stream_dx
+  // says. Long rows, with the apply kernels' closure inlined, streamed / ordinary at
+  // 16384 x 4096 and 2048 x 8192, 2 threads: fp16 0.81-0.97 (AVX3), 0.72-0.76 (AVX2); bf16
+  // 0.81-0.95 (AVX2) (docs/PERFORMANCE.md, twenty-ninth session). Out of line, the streamed
+  // fp16 kernels had been slower.
   bool stream;
   BackwardApplyFn apply;
   BackwardApplyPairFn apply_pair;
